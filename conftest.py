@@ -1,0 +1,69 @@
+"""Shared pytest fixtures: model snapshots on local disk. Tests never touch the network.
+
+- ``tiny_snapshot``: a small GPT-2 with random weights (fixed seed), written in Hugging Face layout by
+  transformers, with the demo checkpoint's tokenizer. For logit-level comparisons.
+- ``demo_snapshot``: the bundled, trained demo checkpoint. For greedy token-id comparisons (random
+  weights have near-ties that make argmax comparisons flaky).
+- ``gpt2_snapshot``: OpenAI's GPT-2 124M, if a local copy exists (the folder named by the environment
+  variable GPT2_SNAPSHOT, or the Hugging Face cache); tests that use it skip otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.weights import DEMO_CHECKPOINT
+
+TINY_CONFIG = dict(n_positions=64, n_embd=32, n_layer=2, n_head=4)
+
+
+def write_random_snapshot(folder: Path, seed: int = 0, **config) -> Path:
+    """A GPT-2 with random weights in HF layout (config.json, model.safetensors, vocab.json, merges.txt)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    vocab_size = 8192  # the demo checkpoint's tokenizer
+    cfg = GPT2Config(vocab_size=vocab_size, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **config)
+    model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # larger than the default init, so that logits differ visibly between tokens
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(DEMO_CHECKPOINT / name, folder / name)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_snapshot(tmp_path_factory) -> Path:
+    return write_random_snapshot(tmp_path_factory.mktemp("tiny-gpt2"), **TINY_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def demo_snapshot() -> Path:
+    return DEMO_CHECKPOINT
+
+
+@pytest.fixture(scope="session")
+def gpt2_snapshot() -> Path:
+    folder = os.environ.get("GPT2_SNAPSHOT")
+    if folder:
+        return Path(folder)
+    try:
+        from huggingface_hub import snapshot_download
+
+        from common.weights import SNAPSHOT_FILES, missing_files
+
+        path = Path(snapshot_download("openai-community/gpt2", allow_patterns=SNAPSHOT_FILES, local_files_only=True))
+        if not missing_files(path):
+            return path
+    except Exception:
+        pass
+    pytest.skip("OpenAI GPT-2 is not on this machine: set GPT2_SNAPSHOT to a local snapshot folder")

@@ -1,0 +1,71 @@
+"""python -m step0_model "text": the model's top next tokens for a text, optionally checked against HF.
+
+    python -m step0_model "The Python interpreter" --top 10
+    python -m step0_model "The Python interpreter" --check     # also loads HF GPT2LMHeadModel, prints max |diff|
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common.tokenizer import Tokenizer
+from common.weights import resolve_model
+
+from .model import GPT
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m step0_model", description=__doc__.splitlines()[0])
+    parser.add_argument("prompt", help="the text whose next token is predicted")
+    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder")
+    parser.add_argument("--top", type=int, default=10, help="how many of the most likely next tokens to print")
+    parser.add_argument("--check", action="store_true", help="compare all logits with Hugging Face GPT2LMHeadModel")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        folder = resolve_model(args.model)
+        tokenizer = Tokenizer(folder)
+        model = GPT.from_pretrained(str(folder), device=args.device, dtype=DTYPES[args.dtype])
+        ids = tokenizer.encode(args.prompt)
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(ids) > model.config.n_positions:
+            raise ValueError(f"prompt: {len(ids)} tokens, more than the context window of {model.config.n_positions}")
+        if args.top < 1:
+            raise ValueError("--top: must be >= 1")
+    except (ValueError, ConnectionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    input_ids = torch.tensor([ids], device=args.device)  # [1, T]
+    with torch.inference_mode():
+        logits = model(input_ids)  # [1, T, V]
+    probs = torch.softmax(logits[0, -1].float(), dim=-1)  # [V]
+    top = torch.topk(probs, min(args.top, probs.numel()))
+    print(f"{len(ids)} prompt tokens; the {len(top.indices)} most likely next tokens:")
+    for p, i in zip(top.values.tolist(), top.indices.tolist()):
+        print(f"  {p:7.2%}  {i:6d}  {tokenizer.decode([i])!r}")
+
+    if args.check:
+        from transformers import GPT2LMHeadModel
+
+        hf = GPT2LMHeadModel.from_pretrained(folder, dtype=DTYPES[args.dtype]).to(args.device).eval()
+        with torch.inference_mode():
+            hf_logits = hf(input_ids).logits  # [1, T, V]
+        diff = (logits.float() - hf_logits.float()).abs().max().item()
+        print(f"max |logits - HF logits| over {len(ids)} positions x {logits.shape[-1]} tokens: {diff:.3e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Generation tests, kept in every step from step 1 on: the API, sampling, stopping rules, bad input.
+
+Parity tiers (GUIDE.md): greedy ids equal HF ``generate(do_sample=False)`` on the demo checkpoint; the
+logits used at every step equal step 0's forward pass on the same prefix.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from step0_model import GPT as Step0GPT
+
+from . import engine
+from .engine import LLM
+from .sampling import SamplingParams, apply_repetition_penalty, sample
+
+PROMPTS = [
+    "The Python interpreter",
+    "A list comprehension is",
+    "In this tutorial, you will learn how to",
+    "x",
+    "Exceptions are raised when an error occurs. The try statement specifies exception handlers and/or "
+    "cleanup code for a group of statements, while the with statement allows the execution of "
+    "initialization and finalization code around a block of code.",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_snapshot):
+    return LLM(model=str(demo_snapshot))
+
+
+@pytest.fixture(scope="module")
+def hf_demo(demo_snapshot):
+    return GPT2LMHeadModel.from_pretrained(demo_snapshot, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_greedy_ids_equal_hf_generate(llm, hf_demo):
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outputs):
+        expected = hf_greedy(hf_demo, llm.tokenizer.encode(prompt), GREEDY.max_tokens, llm.tokenizer.eos_token_id)
+        assert out.token_ids == expected, prompt
+        assert out.text == llm.tokenizer.decode([t for t in out.token_ids if t != llm.tokenizer.eos_token_id])
+
+
+@pytest.mark.slow
+def test_greedy_ids_equal_hf_near_the_context_window(llm, hf_demo):
+    """A prompt of 480 tokens: generation runs into the 512-token window and stops with "length"."""
+    ids = (llm.tokenizer.encode(PROMPTS[-1]) * 20)[:480]
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 512 - 480 and out.finish_reason == "length"
+    with torch.inference_mode():
+        full = hf_demo.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
+    assert out.token_ids == full[0, 480:].tolist()
+
+
+def test_step_logits_equal_step0_forward(llm, demo_snapshot, monkeypatch):
+    """Every logits row that reaches the sampler equals step 0's forward pass over the same prefix."""
+    seen = []
+
+    def recording_sample(logits, params, generator, token_ids):
+        seen.append((logits.clone(), list(token_ids)))
+        return sample(logits, params, generator, token_ids)
+
+    monkeypatch.setattr(engine, "sample", recording_sample)
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.9, seed=0))
+    step0 = Step0GPT.from_pretrained(str(demo_snapshot))
+    assert len(seen) == 12
+    for logits, prefix in seen:
+        with torch.inference_mode():
+            expected = step0(torch.tensor([prefix]))[0, -1]
+        assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_same_seed_same_text_and_other_seed_differs(llm):
+    params = dict(max_tokens=32, temperature=1.0, ignore_eos=True)
+    a = llm.generate(PROMPTS[0], SamplingParams(seed=7, **params))[0]
+    b = llm.generate(PROMPTS[0], SamplingParams(seed=7, **params))[0]
+    c = llm.generate(PROMPTS[0], SamplingParams(seed=8, **params))[0]
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate(PROMPTS[:3], GREEDY)
+    top_k_1 = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=1.5, top_k=1, seed=1))
+    tiny_top_p = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=1.5, top_p=1e-6, seed=2))
+    for g, k, p in zip(greedy, top_k_1, tiny_top_p):
+        assert g.token_ids == k.token_ids == p.token_ids
+
+
+def draw(probs: list[float], params: SamplingParams, n: int = 20000) -> list[float]:
+    logits = torch.log(torch.tensor(probs))
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample(logits, params, gen, []) for _ in range(n)]), minlength=len(probs))
+    return (counts.float() / n).tolist()
+
+
+def chi_square_ok(observed: list[float], expected: list[float], n: int = 20000) -> bool:
+    """Pearson's test at the 0.1% level for the cells with expected > 0 (critical values of chi2)."""
+    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
+    stat = sum(n * (o - e) ** 2 / e for o, e in cells)
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[len(cells) - 1]
+    return stat < critical and all(o == 0 for o, e in zip(observed, expected) if e == 0)
+
+
+P = [0.5, 0.3, 0.15, 0.05]
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(temperature=1.0), P),
+        (SamplingParams(temperature=2.0), [math.sqrt(p) / sum(map(math.sqrt, P)) for p in P]),
+        (SamplingParams(temperature=1.0, top_k=2), [0.625, 0.375, 0, 0]),
+        (SamplingParams(temperature=1.0, top_p=0.6), [0.625, 0.375, 0, 0]),  # 0.5 < 0.6: the 0.3 crosses, kept
+        (SamplingParams(temperature=1.0, top_p=0.5), [1, 0, 0, 0]),
+        (SamplingParams(temperature=1.0, min_p=0.3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),  # >= 0.15
+    ],
+)
+def test_sampling_frequencies_match_the_distribution(params, expected):
+    observed = draw(P, params)
+    assert chi_square_ok(observed, expected), (observed, expected)
+
+
+def test_chi_square_check_can_fail():
+    """The statistical bound is tight enough to catch a sampler that ignores the temperature."""
+    assert not chi_square_ok(draw(P, SamplingParams(temperature=1.0)), [math.sqrt(p) / sum(map(math.sqrt, P)) for p in P])
+
+
+def test_repetition_penalty_follows_ctrl():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    out = apply_repetition_penalty(logits.clone(), [0, 1, 1], 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0, -1.0]
+    # greedy with a strong penalty never repeats a token of the prompt
+    assert sample(torch.tensor([5.0, 4.0, 0.0]), SamplingParams(temperature=0, repetition_penalty=10.0), None, [0]) == 1
+
+
+def test_repetition_penalty_changes_greedy_output(llm):
+    plain = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    penalised = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.5))[0]
+    assert plain.token_ids != penalised.token_ids
+    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+
+
+def token_texts(llm, ids):
+    return [llm.tokenizer.decode([i]) for i in ids]
+
+
+def test_stop_string_across_token_boundary_is_not_in_output(llm):
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    pieces = token_texts(llm, full.token_ids)
+    # a stop string made of the end of token 5 and the start of token 6
+    k = 5
+    assert len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 2
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    prefix_len = len("".join(pieces[:k])) + len(pieces[k]) - 2
+    expected_text = "".join(pieces)[: "".join(pieces).find(stop)]
+    assert len(expected_text) <= prefix_len
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "never-seen"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == expected_text and stop not in out.text
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    # streaming never shows any part of the stop string either
+    streamed = "".join(llm.stream(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=stop)))
+    assert streamed == expected_text
+
+
+def test_stop_token_ids_and_eos(llm):
+    full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: first + 1]  # the stop token is kept in the ids...
+    assert out.text == llm.tokenizer.decode(full.token_ids[:first])  # ...and left out of the text
+
+    eos = llm.tokenizer.eos_token_id
+    try:  # pretend that token is the end-of-sequence token
+        llm.tokenizer.eos_token_id = stop_id
+        by_eos = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0))[0]
+        ignoring = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    finally:
+        llm.tokenizer.eos_token_id = eos
+    assert by_eos.token_ids == out.token_ids and by_eos.finish_reason == "stop"
+    assert ignoring.token_ids == full.token_ids and ignoring.finish_reason == "length"
+
+
+def test_max_tokens_and_context_window_end_with_length(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    window = llm.config.n_positions
+    for prompt_len, expected in ((window - 1, 1), (window - 3, 3)):
+        ids = [llm.tokenizer.encode(" the")[0]] * prompt_len
+        out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+        assert len(out.token_ids) == expected and out.finish_reason == "length"
+
+
+def test_stream_equals_generate_and_metrics(llm):
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
+    whole = llm.generate(PROMPTS[2], params)[0]
+    assert "".join(llm.stream(PROMPTS[2], params)) == whole.text
+    outs = list(llm.stream_outputs(PROMPTS[2], params))
+    assert len(outs) == len(whole.token_ids) and outs[-1].finished and not outs[0].finished
+    m = outs[-1].metrics
+    assert m.ttft_s > 0 and len(m.token_times) == len(whole.token_ids)
+    assert len(m.decode_latencies_s) == len(whole.token_ids) - 1 and all(d >= 0 for d in m.decode_latencies_s)
+
+
+def test_outputs_in_input_order_with_per_request_params(llm):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 1, 7)]
+    outs = llm.generate(PROMPTS[:3], params)
+    assert [len(o.token_ids) for o in outs] == [3, 1, 7]
+    assert [o.prompt for o in outs] == PROMPTS[:3]
+    assert len({o.request_id for o in outs}) == 3
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_tokens", 0, "max_tokens"),
+        ("max_tokens", 2.5, "max_tokens"),
+        ("temperature", -0.1, "temperature"),
+        ("temperature", float("nan"), "temperature"),
+        ("top_p", 0.0, r"top_p.*\(0, 1\]"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -1, "top_k"),
+        ("min_p", -0.1, r"min_p.*\[0, 1\]"),
+        ("min_p", 1.1, "min_p"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("stop", [""], "stop"),
+        ("stop_token_ids", [-1], "stop_token_ids"),
+        ("seed", "x", "seed"),
+    ],
+)
+def test_bad_sampling_params_raise(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_raise_before_any_compute(llm, monkeypatch):
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(llm.model, "forward", no_forward)
+    window = llm.config.n_positions
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.stream("", GREEDY)
+    with pytest.raises(ValueError, match="no room"):
+        llm.generate(prompt_token_ids=[[1] * window], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(prompt_token_ids=[[1, llm.config.vocab_size]], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate("hi", SamplingParams(stop_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="no room"):  # one bad request in a list: nothing runs
+        llm.generate(["fine", "x " * 600], GREEDY)
+
+
+def test_bad_model_device_dtype(tmp_path):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="float8")
+    with pytest.raises(ValueError, match="device"):
+        LLM(device="toaster")
+    with pytest.raises(ValueError, match="no such folder"):
+        LLM(model=str(tmp_path / "nothing-here"))
+    with pytest.raises(ValueError, match="lacks"):
+        LLM(model=str(tmp_path))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_streams_text_then_summary(llm):
+    result = run_cli("The Python interpreter", "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    expected = llm.generate("The Python interpreter", SamplingParams(max_tokens=12, temperature=0))[0]
+    assert result.stdout == "The Python interpreter" + expected.text + "\n"
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith(f"[{len(expected.prompt_token_ids)} prompt tokens, {len(expected.token_ids)} generated")
+    assert "TTFT" in summary and "tok/s" in summary
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["", "--max-tokens", "4"], ["hi", "--max-tokens", "0"], ["hi", "--temperature", "-1"], ["hi", "--top-p", "2"],
+     ["hi", "--top-k", "-3"], ["hi", "--min-p", "7"], ["hi", "--repetition-penalty", "0"], ["hi", "--model", "/no/such/dir"]],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")

@@ -1,0 +1,182 @@
+"""Step 3 tests: a request's output does not depend on the batch it runs in.
+
+Parity tiers (GUIDE.md): each request's greedy ids in a batch equal its solo step 2 run and HF
+``generate`` with left padding and an attention mask; seeded sampling is batch-independent.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+import step2_kvcache
+
+from .engine import LLM
+from .model import GPT, padding_mask
+from .sampling import SamplingParams
+
+PROMPTS = [
+    "x",
+    "The Python interpreter",
+    "A list comprehension is",
+    "Exceptions are raised when an error occurs.",
+    "In this tutorial, you will learn how to use the standard library to read and write files, and how",
+    "The",
+    "Modules can import other modules.",
+    "A dictionary maps keys to values. Keys must be hashable",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(demo_snapshot):
+    return LLM(model=str(demo_snapshot), max_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def solo(demo_snapshot):
+    return step2_kvcache.LLM(model=str(demo_snapshot))
+
+
+def solo_ids(solo, prompt_ids, max_tokens):
+    params = step2_kvcache.SamplingParams(max_tokens=max_tokens, temperature=0)
+    return solo.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0].token_ids
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 8])
+def test_batched_greedy_equals_solo_step2(llm, solo, batch_size):
+    llm.max_batch_size = batch_size
+    try:
+        max_tokens = [5 + 4 * i for i in range(len(PROMPTS))]  # different lengths: rows finish at different steps
+        outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0) for n in max_tokens])
+    finally:
+        llm.max_batch_size = 8
+    for prompt, n, out in zip(PROMPTS, max_tokens, outs):
+        assert out.prompt == prompt  # input order
+        assert out.token_ids == solo_ids(solo, llm.tokenizer.encode(prompt), n), prompt
+
+
+@pytest.mark.slow
+def test_prompt_lengths_from_1_to_near_the_window(llm, solo):
+    """One batch holding a 1-token prompt and a 490-token prompt (489 padding positions in row 0)."""
+    base = llm.tokenizer.encode(" ".join(PROMPTS) + " ")
+    lengths = [1, 17, 130, 490]
+    prompts = [(base * 20)[:n] for n in lengths]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        n = min(20, llm.config.n_positions - len(ids))
+        assert len(out.token_ids) == n
+        assert out.token_ids == solo_ids(solo, ids, 20)
+    assert [o.metrics.padding_tokens for o in outs] == [490 - n for n in lengths]
+
+
+def test_equals_hf_generate_with_left_padding(llm, demo_snapshot):
+    tok = llm.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS[:5]]
+    longest = max(map(len, ids))
+    pad = tok.eos_token_id
+    input_ids = torch.tensor([[pad] * (longest - len(x)) + x for x in ids])
+    attention_mask = torch.tensor([[0] * (longest - len(x)) + [1] * len(x) for x in ids])
+    hf = GPT2LMHeadModel.from_pretrained(demo_snapshot, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=pad)
+    outs = llm.generate(PROMPTS[:5], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for row, out in enumerate(outs):
+        assert out.token_ids == ref[row, longest:].tolist()
+
+
+def test_seeded_sample_is_batch_independent(llm):
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11)
+    alone = llm.generate(PROMPTS[2], params)[0]
+    others = [SamplingParams(max_tokens=n, temperature=0.7, seed=s) for n, s in ((3, 1), (30, 2), (9, None))]
+    other_prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[6]]
+    for position in range(4):
+        prompts = other_prompts[:position] + [PROMPTS[2]] + other_prompts[position:]
+        out = llm.generate(prompts, others[:position] + [params] + others[position:])[position]
+        assert out.text == alone.text and out.token_ids == alone.token_ids
+
+
+def test_no_nan_or_inf_with_heavy_padding(demo_snapshot):
+    model = GPT.from_pretrained(str(demo_snapshot))
+    ids = torch.randint(model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    num_pads = torch.tensor([63, 40, 1, 0])  # row 0 is all padding but one token
+    with torch.inference_mode():
+        logits = model(ids, num_pads=num_pads)
+    assert torch.isfinite(logits).all()
+    # the real tokens' logits equal an unpadded forward of the same tokens
+    with torch.inference_mode():
+        for row, n in enumerate(num_pads.tolist()):
+            alone = model(ids[row : row + 1, n:])
+            assert (logits[row, n:] - alone[0]).abs().max().item() <= 1e-4
+
+
+def test_padding_mask_hides_padding_from_every_query():
+    mask = padding_mask(torch.tensor([2, 0]), start=0, T=4)[:, 0]  # [B, T, S]
+    # row 0: positions 0, 1 are padding; real queries 2, 3 see only real keys up to themselves
+    assert mask[0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert mask[1].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    decode = padding_mask(torch.tensor([2, 0]), start=4, T=1)[:, 0]  # one new token after 4 cached
+    assert decode.int().tolist() == [[[0, 0, 1, 1, 1]], [[1, 1, 1, 1, 1]]]
+
+
+def test_stop_rules_per_row_and_waste_is_counted(llm, solo):
+    full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    stop_text = llm.tokenizer.decode(full.token_ids[4:6])
+    params = [
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop_text]),  # stops at a string
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),  # runs to 30
+        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[full.token_ids[2]]),  # stops at a token
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),  # stops at length 7
+    ]
+    outs = llm.generate([PROMPTS[1]] * 4, params)
+    assert outs[0].finish_reason == "stop" and stop_text not in outs[0].text
+    assert outs[0].text == full.text[: full.text.find(stop_text)]
+    assert outs[1].token_ids == full.token_ids and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == full.token_ids[:3] and outs[2].finish_reason == "stop"
+    assert outs[3].token_ids == full.token_ids[:7] and outs[3].finish_reason == "length"
+    # the batch ran 30 steps; every row that finished early kept computing until then
+    assert [o.metrics.wasted_tokens for o in outs] == [30 - len(o.token_ids) for o in outs]
+    assert all(o.metrics.padding_tokens == 0 for o in outs)  # same prompt: no padding
+
+
+def test_batches_form_in_arrival_order(llm, monkeypatch):
+    sizes = []
+    real = llm._decode
+
+    def recording(batch):
+        sizes.append([seq.request_id for seq in batch])
+        return real(batch)
+
+    monkeypatch.setattr(llm, "_decode", recording)
+    llm.max_batch_size = 3
+    try:
+        outs = llm.generate(PROMPTS[:7], SamplingParams(max_tokens=2, temperature=0))
+    finally:
+        llm.max_batch_size = 8
+    ids = [o.request_id for o in outs]
+    assert sizes == [ids[0:3], ids[3:6], ids[6:7]]
+
+
+def test_bad_max_batch_size():
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="max_batch_size"):
+            LLM(max_batch_size=bad)
+
+
+def test_cli_several_prompts_and_file(llm, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("A list comprehension is\n\nThe\n")
+    result = subprocess.run(
+        [sys.executable, "-m", __package__, "The Python interpreter", "--prompts-file", str(prompts_file), "--max-tokens", "6", "--max-batch-size", "2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = llm.generate(["The Python interpreter", "A list comprehension is", "The"], SamplingParams(max_tokens=6, temperature=0))
+    for out in expected:
+        assert out.prompt + out.text in result.stdout
+    assert result.stdout.count("--- request") == 3
+    summary = result.stderr.strip().splitlines()[-1]
+    assert "3 requests in 2 batches" in summary and "padding positions" in summary

@@ -1,0 +1,203 @@
+"""GPT-2, the forward pass, in plain PyTorch.
+
+The architecture of Radford et al. 2019, "Language Models are Unsupervised Multitask Learners":
+token + position embeddings, a stack of pre-LayerNorm transformer blocks (causal multi-head
+self-attention, then a tanh-GELU MLP, each added back to the residual stream), a final LayerNorm, and
+an LM head that reuses the token embedding matrix. The module names match Hugging Face's GPT-2
+(``h.0.attn.c_attn`` ...), so that loading a checkpoint is a rename and a transpose, shown in
+``GPT.load_hf_weights``.
+
+The forward pass takes one flattened batch of N new tokens from S sequences at once: the whole prompt
+of sequences starting now (prefill) and the newest token of every running sequence (decode), with no
+padding. Each token carries its own position; the new keys and values go into the paged KV cache at
+the slots the engine chose, and attention reads each sequence's keys and values back through its
+block table (plain PyTorch here: a gather, then scaled dot-product attention; step 5 fuses this into
+a GPU kernel). Only the last token of each sequence gets logits: the next token is sampled from them.
+
+Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd, H = n_head, D = C / H head size, V = vocab_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.weights import GPT2Config, load_config, load_safetensors, resolve_model
+
+from .kv_cache import PagedKVCache
+
+# GPT-2 was written with a "Conv1D" layer that stores its weight as [in, out]; nn.Linear stores [out, in].
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Tensors of HF checkpoints that are not parameters: the causal-mask buffers of old checkpoints, and the
+# LM head, which is the token embedding itself (weight tying).
+IGNORED_HF_TENSORS = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where token t attends to tokens 0..t (Vaswani et al. 2017)."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v projections in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        N, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=1)  # 3 x [N, C]
+        q = q.view(N, self.n_head, self.head_dim)  # [N, H, D]
+        k = k.view(N, self.n_head, self.head_dim)  # [N, H, D]
+        v = v.view(N, self.n_head, self.head_dim)  # [N, H, D]
+        kv_cache.write(layer, k, v, meta.slot_mapping)  # into the pool, at each new token's slot
+        y = paged_attention(q, kv_cache, layer, meta)  # [N, H, D]
+        return self.c_proj(y.reshape(N, C))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: C -> 4C -> GELU -> C."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.approximate = config.activation  # "tanh" for GPT-2's gelu_new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))  # [N, C]
+
+
+class Block(nn.Module):
+    """One transformer block, pre-LayerNorm: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, layer, meta)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the N tokens of a flattened batch come from and where their keys and values go (vLLM's name).
+
+    The batch holds S sequences, the num_prefills prefills first, then the decodes (one token each).
+    slot_mapping: [N] int64, the cache slot of each new token (block * block_size + offset).
+    query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows query_start_loc[i]:query_start_loc[i+1].
+    seq_lens: S lengths after this step (cached + new tokens). decode_seq_lens: the decodes' lengths, [S - P]
+    int64 on the device. block_tables: [S, M] int64 block ids, short rows padded with block 0.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    decode_seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_prefills: int
+
+
+def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    """Causal attention of every new token over its own sequence, reading keys and values through block tables.
+
+    q: [N, H, D]. Returns [N, H, D]. Prefills run one sequence at a time (their query t, at position
+    L - T + t, sees keys 0..L-T+t); decodes run together, one query each, keys past a sequence's
+    length masked out.
+    """
+    y = torch.empty_like(q)  # [N, H, D]
+    P = meta.num_prefills
+    for i in range(P):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        T, L = b - a, meta.seq_lens[i]
+        k, v = kv_cache.gather(layer, meta.block_tables[i : i + 1])  # [1, M * block_size, H, D]
+        k, v = k[0, :L].transpose(0, 1), v[0, :L].transpose(0, 1)  # [H, L, D]
+        mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # [T, L]
+        y[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+    if P < len(meta.seq_lens):
+        a = meta.query_start_loc[P]
+        k, v = kv_cache.gather(layer, meta.block_tables[P:])  # [S_d, M * block_size, H, D]
+        mask = torch.arange(k.shape[1], device=q.device)[None, :] < meta.decode_seq_lens[:, None]  # [S_d, M * bs]
+        y[a:] = F.scaled_dot_product_attention(
+            q[a:, :, None, :],  # [S_d, H, 1, D]
+            k.transpose(1, 2),  # [S_d, H, M * block_size, D]
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],  # [S_d, 1, 1, M * block_size]
+        )[:, :, 0]  # [S_d, H, D]
+    return y
+
+
+class GPT(nn.Module):
+    """The GPT-2 language model: token ids in, next-token logits out."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding, also the LM head
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # learned position embedding
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Next-token logits of every sequence in a flattened batch.
+
+        input_ids, positions: [N] int64, the new tokens and their positions in their own sequences.
+        Returns [S, V]: the logits after each sequence's last new token. The new tokens' keys and values
+        are written into kv_cache.
+        """
+        x = self.wte(input_ids) + self.wpe(positions)  # [N, C]
+        for layer, block in enumerate(self.h):
+            x = block(x, kv_cache, layer, meta)  # [N, C]
+        last = torch.tensor(meta.query_start_loc[1:], device=x.device) - 1  # [S], each sequence's last token
+        x = self.ln_f(x[last])  # [S, C]
+        return F.linear(x, self.wte.weight)  # [S, V], the LM head tied to the token embedding
+
+    def load_hf_weights(self, hf_tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face GPT-2 state dict into this model.
+
+        Names map one to one after dropping the ``transformer.`` prefix that ``GPT2LMHeadModel``
+        checkpoints carry (``GPT2Model`` checkpoints, like OpenAI's on the Hub, have none); Conv1D
+        weights are transposed. Raises ValueError on a missing, unexpected or wrongly shaped tensor.
+        """
+        own = self.state_dict()
+        loaded = set()
+        for hf_name, tensor in hf_tensors.items():
+            name = hf_name.removeprefix("transformer.")
+            if name.endswith(IGNORED_HF_TENSORS):  # e.g. "h.0.attn.bias", not "h.0.attn.c_attn.bias"
+                continue
+            if name not in own:
+                raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+            if name.endswith(CONV1D_WEIGHTS):
+                tensor = tensor.t()  # [in, out] -> [out, in]
+            if tensor.shape != own[name].shape:
+                raise ValueError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+            with torch.no_grad():
+                own[name].copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(own) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    @classmethod
+    def from_pretrained(cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+        """Build the model of a snapshot (see ``common.weights.resolve_model``) and load its weights.
+
+        The modules are created on the "meta" device (no memory, no random init) and then given
+        uninitialised storage, which the checkpoint's tensors fill. Returns the model in eval mode.
+        Raises ValueError (bad spec, folder or checkpoint) or ConnectionError (Hub unreachable).
+        """
+        folder = resolve_model(model)
+        with torch.device("meta"):
+            gpt = cls(load_config(folder))
+        gpt = gpt.to_empty(device=device).to(dtype)
+        gpt.load_hf_weights(load_safetensors(folder))
+        return gpt.eval()
