@@ -119,6 +119,8 @@ def draw(probs: list[float], params: SamplingParams, n: int = 20000) -> list[flo
 def chi_square_ok(observed: list[float], expected: list[float], n: int = 20000) -> bool:
     """Pearson's test at the 0.1% level for the cells with expected > 0 (critical values of chi2)."""
     cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
+    if len(cells) == 1:  # one possible outcome: every draw must be it
+        return observed == expected
     stat = sum(n * (o - e) ** 2 / e for o, e in cells)
     critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[len(cells) - 1]
     return stat < critical and all(o == 0 for o, e in zip(observed, expected) if e == 0)

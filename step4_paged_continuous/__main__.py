@@ -3,8 +3,8 @@
     python -m <step> "The Python interpreter" --max-tokens 48
     python -m <step> "Once upon a time" --model gpt2 --temperature 0.8 --top-p 0.95 --seed 1
 
-With several prompts (arguments, or --prompts-file with one per line) they run in static batches and
-each completion is printed when its batch is done, then the totals, waste included.
+With several prompts (arguments, or --prompts-file with one per line) they run with continuous
+batching and each completion is printed at the end, then the totals: throughput, preemptions, KV blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__.splitlines()[0])
     parser.add_argument("prompts", nargs="*", help="the texts to continue")
     parser.add_argument("--prompts-file", help="a text file with one prompt per line")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="most requests running at once")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks in the pool")
     parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
@@ -57,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
                 prompts += [line.rstrip("\r\n") for line in f if line.strip()]
         if not prompts:
             raise ValueError("prompts: give at least one prompt, as an argument or with --prompts-file")
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size)
+        llm = LLM(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+        )
         if len(prompts) > 1:
             return run_batch(llm, prompts, params)
         outputs = llm.stream_outputs(prompts[0], params)  # validates the request
@@ -83,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
-    """Generate every prompt in static batches; print each completion, then the totals and the waste."""
+    """Generate every prompt with continuous batching; print each completion, then the totals."""
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)  # validates every request first (ValueError)
     elapsed = time.perf_counter() - start
@@ -91,13 +100,11 @@ def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
         print(f"--- request {i} ({len(out.token_ids)} tokens, {out.finish_reason}) ---")
         print(out.prompt + out.text)
     generated = sum(len(out.token_ids) for out in outputs)
-    padding = sum(out.metrics.padding_tokens for out in outputs)
-    wasted = sum(out.metrics.wasted_tokens for out in outputs)
-    batches = -(-len(outputs) // llm.max_batch_size)
+    stats = llm.engine.stats
     print(
-        f"[{len(outputs)} requests in {batches} batches of up to {llm.max_batch_size}: {generated} tokens generated "
-        f"in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); waste: {padding} padding positions, "
-        f"{wasted} positions computed for finished requests]",
+        f"[{len(outputs)} requests, up to {llm.engine.scheduler.max_num_seqs} at once: {generated} tokens generated "
+        f"in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); {stats.num_preemptions} preemptions; "
+        f"KV cache of {stats.kv_blocks_total} blocks x {llm.engine.block_manager.block_size} tokens]",
         file=sys.stderr,
     )
     return 0
