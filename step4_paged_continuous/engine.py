@@ -359,7 +359,7 @@ class LLMEngine:
 
     def _prepare_inputs(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step's sequences into one batch: token ids, positions and slot mapping [N] each,
-        plus where each sequence starts, its length and its block table."""
+        plus where each sequence starts and, for the decodes, their lengths and block tables."""
         blocks = self.block_manager
         token_ids: list[int] = []
         positions: list[int] = []
@@ -376,16 +376,16 @@ class LLMEngine:
             positions.append(len(seq) - 1)
             slots.append(blocks.slot(seq.request_id, len(seq) - 1))
             query_start_loc.append(query_start_loc[-1] + 1)
-        batch = scheduled.prefills + scheduled.decodes
-        tables = [blocks.block_tables[seq.request_id] for seq in batch]
-        width = max(len(t) for t in tables)
+        tables = [blocks.block_tables[seq.request_id] for seq in scheduled.decodes]
+        width = max((len(t) for t in tables), default=1)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
             query_start_loc=query_start_loc,
-            seq_lens=[len(seq) for seq in batch],
-            decode_seq_lens=torch.tensor([len(seq) for seq in scheduled.decodes], device=self.device),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device),
             num_prefills=len(scheduled.prefills),
+            decode_seq_lens=torch.tensor([len(seq) for seq in scheduled.decodes], dtype=torch.long, device=self.device),
+            decode_block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
+            ).view(len(tables), width),
         )
         return torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), meta
 

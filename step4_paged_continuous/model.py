@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(N, self.n_head, self.head_dim)  # [N, H, D]
         v = v.view(N, self.n_head, self.head_dim)  # [N, H, D]
         kv_cache.write(layer, k, v, meta.slot_mapping)  # into the pool, at each new token's slot
-        y = paged_attention(q, kv_cache, layer, meta)  # [N, H, D]
+        y = paged_attention(q, k, v, kv_cache, layer, meta)  # [N, H, D]
         return self.c_proj(y.reshape(N, C))
 
 
@@ -93,42 +93,42 @@ class AttentionMetadata:
     The batch holds S sequences, the num_prefills prefills first, then the decodes (one token each).
     slot_mapping: [N] int64, the cache slot of each new token (block * block_size + offset).
     query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows query_start_loc[i]:query_start_loc[i+1].
-    seq_lens: S lengths after this step (cached + new tokens). decode_seq_lens: the decodes' lengths, [S - P]
-    int64 on the device. block_tables: [S, M] int64 block ids, short rows padded with block 0.
+    decode_seq_lens: [S_d] int64, each decode's length after this step (cached tokens + its new one).
+    decode_block_tables: [S_d, M] int64, each decode's block ids, short rows padded with block 0.
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: list[int]
-    seq_lens: list[int]
-    decode_seq_lens: torch.Tensor
-    block_tables: torch.Tensor
     num_prefills: int
+    decode_seq_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
 
 
-def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
-    """Causal attention of every new token over its own sequence, reading keys and values through block tables.
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Causal attention of every new token over its own sequence.
 
-    q: [N, H, D]. Returns [N, H, D]. Prefills run one sequence at a time (their query t, at position
-    L - T + t, sees keys 0..L-T+t); decodes run together, one query each, keys past a sequence's
-    length masked out.
+    q, k, v: [N, H, D], the new tokens' (already written into kv_cache). Returns [N, H, D].
+    A prefill covers its whole sequence (this engine caches no prefixes and does not split prompts), so
+    its tokens attend to each other with the usual causal mask, one sequence at a time. The decodes run
+    together, one query each, over keys and values read back from the cache through their block tables,
+    with the keys past each sequence's length masked out.
     """
     y = torch.empty_like(q)  # [N, H, D]
     P = meta.num_prefills
     for i in range(P):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        T, L = b - a, meta.seq_lens[i]
-        k, v = kv_cache.gather(layer, meta.block_tables[i : i + 1])  # [1, M * block_size, H, D]
-        k, v = k[0, :L].transpose(0, 1), v[0, :L].transpose(0, 1)  # [H, L, D]
-        mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # [T, L]
-        y[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
-    if P < len(meta.seq_lens):
+        qi, ki, vi = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, T, D]
+        y[a:b] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1)  # [T, H, D]
+    if P < len(meta.query_start_loc) - 1:
         a = meta.query_start_loc[P]
-        k, v = kv_cache.gather(layer, meta.block_tables[P:])  # [S_d, M * block_size, H, D]
-        mask = torch.arange(k.shape[1], device=q.device)[None, :] < meta.decode_seq_lens[:, None]  # [S_d, M * bs]
+        k_all, v_all = kv_cache.gather(layer, meta.decode_block_tables)  # [S_d, M * block_size, H, D]
+        mask = torch.arange(k_all.shape[1], device=q.device)[None, :] < meta.decode_seq_lens[:, None]  # [S_d, M * bs]
         y[a:] = F.scaled_dot_product_attention(
             q[a:, :, None, :],  # [S_d, H, 1, D]
-            k.transpose(1, 2),  # [S_d, H, M * block_size, D]
-            v.transpose(1, 2),
+            k_all.transpose(1, 2),  # [S_d, H, M * block_size, D]
+            v_all.transpose(1, 2),
             attn_mask=mask[:, None, None, :],  # [S_d, 1, 1, M * block_size]
         )[:, :, 0]  # [S_d, H, D]
     return y
