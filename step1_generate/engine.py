@@ -276,6 +276,6 @@ class LLM:
         """The decoding loop: run the model on the whole sequence, sample a token, repeat."""
         while not seq.finished:
             input_ids = torch.tensor([seq.token_ids], device=self.device)  # [1, T]: everything, every time
-            logits = self.model(input_ids)[0, -1]  # [V], the scores of the token after the last one
+            logits = self.model(input_ids, last_only=True)[0, -1]  # [V], the scores of the token after the last one
             token_id = sample(logits, seq.params, seq.generator, seq.token_ids)
             yield seq.append(token_id)

@@ -280,7 +280,7 @@ class LLM:
         kv_cache = KVCache(self.config, seq.max_len, self.device, self.dtype)  # sized for prompt + max_tokens
         input_ids = torch.tensor([seq.token_ids], device=self.device)  # [1, T]: the prompt (prefill)
         while not seq.finished:
-            logits = self.model(input_ids, kv_cache)[0, -1]  # [V], the scores of the token after the last one
+            logits = self.model(input_ids, kv_cache, last_only=True)[0, -1]  # [V], the scores of the token after the last one
             token_id = sample(logits, seq.params, seq.generator, seq.token_ids)
             yield seq.append(token_id)
             input_ids = torch.tensor([[token_id]], device=self.device)  # [1, 1]: only the new token (decode)

@@ -6,7 +6,7 @@ query, key and value (the standard incremental decoding of Vaswani et al. 2017; 
 analysed in Pope et al. 2022, "Efficiently Scaling Transformer Inference").
 
 Memory: 2 (K and V) x n_layer x n_head x head_dim x bytes per element, per token. GPT-2 124M in fp32:
-2 x 12 x 12 x 64 x 4 = 73,728 bytes (72 KiB) per token, 36 MiB for its 1024-token context window.
+2 x 12 x 12 x 64 x 4 = 73,728 bytes (72 KiB) per token, 72 MiB for its 1024-token context window.
 """
 
 from __future__ import annotations

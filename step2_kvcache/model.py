@@ -101,12 +101,14 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Logits for every new position.
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits for every new position, or only the last.
 
         input_ids: [B, T] int64 ids of the new tokens, which follow the kv_cache.length cached ones (B = 1
         with a cache). Returns [B, T, V] logits, where logits[b, t] scores the token that follows
-        input_ids[b, :t+1]. The new tokens' keys and values are added to kv_cache.
+        input_ids[b, :t+1]; with last_only, [B, 1, V] for the last position, all that generation needs
+        (the LM head is GPT-2's largest matmul: V = 50257). The new tokens' keys and values are added
+        to kv_cache.
         """
         B, T = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
@@ -116,6 +118,8 @@ class GPT(nn.Module):
             x = block(x, kv_cache, layer)  # [B, T, C]
         if kv_cache is not None:
             kv_cache.advance(T)
+        if last_only:
+            x = x[:, -1:]  # [B, 1, C]
         x = self.ln_f(x)  # [B, T, C]
         return F.linear(x, self.wte.weight)  # [B, T, V], the LM head tied to the token embedding
 
@@ -126,7 +130,7 @@ class GPT(nn.Module):
         checkpoints carry (``GPT2Model`` checkpoints, like OpenAI's on the Hub, have none); Conv1D
         weights are transposed. Raises ValueError on a missing, unexpected or wrongly shaped tensor.
         """
-        own = self.state_dict()
+        own = dict(self.named_parameters())
         loaded = set()
         for hf_name, tensor in hf_tensors.items():
             name = hf_name.removeprefix("transformer.")
@@ -135,11 +139,12 @@ class GPT(nn.Module):
             if name not in own:
                 raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
             if name.endswith(CONV1D_WEIGHTS):
-                tensor = tensor.t()  # [in, out] -> [out, in]
+                # [in, out] -> [out, in] as a view: memory keeps Conv1D's order, which this CPU's BLAS
+                # reads faster at batch 1 than nn.Linear's own (step 2's README has the numbers).
+                tensor = tensor.t()
             if tensor.shape != own[name].shape:
                 raise ValueError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
-            with torch.no_grad():
-                own[name].copy_(tensor)
+            own[name].data = tensor.to(device=own[name].device, dtype=own[name].dtype, copy=True)
             loaded.add(name)
         missing = sorted(set(own) - loaded)
         if missing:

@@ -303,7 +303,7 @@ class LLM:
         for n, seq in zip(num_pads, batch):
             seq.metrics.padding_tokens = n
         while not all(seq.finished for seq in batch):
-            logits = self.model(input_ids, kv_cache, num_pads_t)[:, -1]  # [B, V], each row's next-token scores
+            logits = self.model(input_ids, kv_cache, num_pads_t, last_only=True)[:, -1]  # [B, V], each row's next-token scores
             deltas = []
             for row, seq in enumerate(batch):
                 if seq.finished:  # this row's work was wasted: its request is done, the batch is not

@@ -1,0 +1,54 @@
+"""python -m benchmarks <name>: run one benchmark, write benchmarks/results/<name>-<device>.json and .png.
+
+A benchmark is a module of this package with ``DEFAULT_MODELS`` and
+``main(models, device, runs, quick) -> dict``; adding one is adding its module and a line to ``BENCHMARKS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .models import MODELS
+
+# name -> (module, what it measures in one line). Modules are imported only when run, so --help is fast.
+BENCHMARKS = {
+    "kvcache": ("benchmarks.kvcache", "step2's KV cache vs step1 and HF: ms/token vs length, TTFT, KV bytes/token"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    listing = "\n".join(f"  {name:<12} {summary}" for name, (_, summary) in BENCHMARKS.items())
+    models = "\n".join(f"  {name:<18} {summary}" for name, summary in MODELS.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.splitlines()[0],
+        epilog=f"benchmarks:\n{listing}\n\nmodels:\n{models}\n  (or a local snapshot folder)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", choices=BENCHMARKS, metavar="name", help="the benchmark to run (listed below)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--model", action="append", dest="models", metavar="MODEL",
+                        help="a model to run on (repeatable); default: the benchmark's own list")
+    parser.add_argument("--runs", type=int, default=5, help="measured runs per point, after one warm-up (default 5)")
+    parser.add_argument("--quick", action="store_true", help="1 run and shorter lengths: checks that it works")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    module = importlib.import_module(BENCHMARKS[args.name][0])
+    try:
+        module.main(models=args.models, device=args.device, runs=args.runs, quick=args.quick)
+    except (ValueError, ConnectionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

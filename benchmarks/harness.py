@@ -1,0 +1,168 @@
+"""What every benchmark shares: the machine record, timing, alternation, medians, ratios, JSON, tables.
+
+The rules (GUIDE.md, "Benchmarks, not timed tests"):
+- warm up: the first call of an engine pays for lazy initialisation (allocator, thread pool, kernel
+  selection), so each workload runs once untimed before it is measured;
+- several runs, and the median, which one slow run (another process taking a core) does not move;
+- engines compared in the same run, alternating: run i calls every engine once, starting with a different
+  one each run, so that a slow phase of the machine falls on all of them alike;
+- a comparison is the median of the per-run ratios (engine A's run i over engine B's run i), not the
+  ratio of two medians;
+- every raw figure, the machine, the versions and the exact workload go into the JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info(device: str, dtype: str) -> dict:
+    """The machine and software a result was measured on: CPU model, cores, torch threads, GPU name,
+    platform, Python / torch / transformers versions, git commit, dtype, date (UTC, ISO 8601)."""
+    import transformers
+
+    info = {
+        "cpu": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "gpu": torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": _git_commit(),
+        "dtype": dtype,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously); nothing on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: str | torch.device = "cpu") -> tuple[float, object]:
+    """Call ``fn()``; return (wall seconds by ``time.perf_counter``, its result), the device synchronised."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def alternate(
+    engines: dict[str, Callable[[], dict]], runs: int, warmup: int = 1, runs_of: dict[str, int] | None = None
+) -> dict[str, list[dict]]:
+    """Measure several engines on one workload, alternating them inside each run.
+
+    engines: name -> a call that runs the workload once and returns its figures (e.g. ``{"wall_s": ...}``).
+    Each engine is first called ``warmup`` times (discarded); then run i calls every engine once, in the
+    order rotated by i (A B C, B C A, C A B, ...). ``runs_of`` gives an engine fewer runs (a slow
+    baseline): it takes part in runs 0..runs_of[name]-1 only. Returns name -> the figures of each run.
+    """
+    names = list(engines)
+    for name in names:
+        for _ in range(warmup):
+            engines[name]()
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(runs):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            if i < (runs_of or {}).get(name, runs):
+                results[name].append(engines[name]())
+    return results
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median, or None for no values."""
+    return statistics.median(values) if values else None
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per figure, the median over runs, for every figure that is a number in all runs."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    keys = [k for k in (runs[0] if runs else {}) if all(number(r.get(k)) for r in runs)]
+    return {k: median([r[k] for r in runs]) for k in keys}
+
+
+def ratio(a: list[dict], b: list[dict], key: str) -> dict:
+    """Engine a over engine b on figure ``key``, run by run (pairs of the same run index).
+
+    Returns {"per_run": [a_i / b_i ...], "median": median of those}; runs that only one side has are
+    left out (see ``alternate``'s ``runs_of``).
+    """
+    per_run = [x[key] / y[key] for x, y in zip(a, b)]
+    return {"per_run": per_run, "median": median(per_run)}
+
+
+def write_json(path: Path, data: dict) -> Path:
+    """Write ``data`` as indented JSON, making the folder if needed. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def result_path(name: str, device: str, suffix: str, out_dir: Path = RESULTS) -> Path:
+    """``<out_dir>/<name>-<device type>.<suffix>``, e.g. ``results/kvcache-cpu.json`` (cuda:1 -> cuda)."""
+    return Path(out_dir) / f"{name}-{torch.device(device).type}.{suffix}"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A plain-text table, right-aligned columns; None shows as "-", floats with 3 significant digits."""
+    def cell(v) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def target_line(label: str, value: float | None, target: str) -> str:
+    """One line for a performance target such as ``">= 4"``: the figure, the target, met or MISSED."""
+    op, bound = target.split()
+    met = value is not None and (value >= float(bound) if op == ">=" else value <= float(bound))
+    shown = "n/a" if value is None else f"{value:.2f}x"
+    return f"{'met   ' if met else 'MISSED'}  {label}: {shown} (target {target}x)"
