@@ -36,8 +36,16 @@ MODEL_ALIASES = {
     "distilgpt2": "distilbert/distilgpt2",
 }
 
-# The only files an inference engine needs; the Hub repos also hold TF, Flax, ONNX and PyTorch-pickle copies.
-SNAPSHOT_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "vocab.json", "merges.txt"]
+# The only files an inference engine needs; the Hub repos also hold TF, Flax, ONNX and PyTorch-pickle copies
+# (some in sub-folders, which these top-level names do not match).
+SNAPSHOT_FILES = [
+    "config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "vocab.json",
+    "merges.txt",
+]
 HUB_TIMEOUT_S = 5.0
 
 # config.json's activation_function -> the `approximate` argument of torch.nn.functional.gelu.

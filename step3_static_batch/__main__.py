@@ -94,8 +94,9 @@ def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
     padding = sum(out.metrics.padding_tokens for out in outputs)
     wasted = sum(out.metrics.wasted_tokens for out in outputs)
     batches = -(-len(outputs) // llm.max_batch_size)
+    batches_text = f"{batches} batch" if batches == 1 else f"{batches} batches"
     print(
-        f"[{len(outputs)} requests in {batches} batches of up to {llm.max_batch_size}: {generated} tokens generated "
+        f"[{len(outputs)} requests in {batches_text} of up to {llm.max_batch_size}: {generated} tokens generated "
         f"in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); waste: {padding} padding positions, "
         f"{wasted} positions computed for finished requests]",
         file=sys.stderr,
