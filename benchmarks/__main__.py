@@ -1,7 +1,8 @@
 """python -m benchmarks <name>: run one benchmark, write benchmarks/results/<name>-<device>.json and .png.
 
 A benchmark is a module of this package with ``DEFAULT_MODELS`` and
-``main(models, device, runs, quick) -> dict``; adding one is adding its module and a line to ``BENCHMARKS``.
+``main(models, device, runs, quick) -> dict``, and optionally ``DEFAULT_RUNS`` (else 5); adding one is
+adding its module and a line to ``BENCHMARKS``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from .models import MODELS
 # name -> (module, what it measures in one line). Modules are imported only when run, so --help is fast.
 BENCHMARKS = {
     "kvcache": ("benchmarks.kvcache", "step2's KV cache vs step1 and HF: ms/token vs length, TTFT, KV bytes/token"),
+    "static_batch": ("benchmarks.static_batch", "step3's static batching vs step2 and HF batched: tok/s vs batch, mixed"),
+    "continuous": ("benchmarks.continuous", "step4's continuous batching + paged KV vs step3 and HF: latency, memory"),
 }
 
 
@@ -31,10 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--model", action="append", dest="models", metavar="MODEL",
                         help="a model to run on (repeatable); default: the benchmark's own list")
-    parser.add_argument("--runs", type=int, default=5, help="measured runs per point, after one warm-up (default 5)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="measured runs per point, after a warm-up (default: the benchmark's own, 5 or 3)")
     parser.add_argument("--quick", action="store_true", help="1 run and shorter lengths: checks that it works")
     args = parser.parse_args(argv)
-    if args.runs < 1:
+    if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
     return args
 
@@ -42,8 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     module = importlib.import_module(BENCHMARKS[args.name][0])
+    runs = args.runs if args.runs is not None else getattr(module, "DEFAULT_RUNS", 5)
     try:
-        module.main(models=args.models, device=args.device, runs=args.runs, quick=args.quick)
+        module.main(models=args.models, device=args.device, runs=runs, quick=args.quick)
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -113,6 +113,18 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between the closest ranks (numpy's default),
+    or None for no values. p50 is the median; p95 of 64 values lies between the 60th and 61st smallest."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
 def medians(runs: list[dict]) -> dict:
     """Per figure, the median over runs, for every figure that is a number in all runs."""
     def number(v) -> bool:
@@ -160,9 +172,11 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def target_line(label: str, value: float | None, target: str) -> str:
-    """One line for a performance target such as ``">= 4"``: the figure, the target, met or MISSED."""
+def target_line(label: str, value: float | None, target: str, unit: str = "x") -> str:
+    """One line for a performance target such as ``">= 4"`` (also ``<=``, ``<``, ``>``): the figure, the
+    target, met or MISSED. ``unit`` follows the numbers: "x" for a ratio, or e.g. " blocks"."""
     op, bound = target.split()
-    met = value is not None and (value >= float(bound) if op == ">=" else value <= float(bound))
-    shown = "n/a" if value is None else f"{value:.2f}x"
-    return f"{'met   ' if met else 'MISSED'}  {label}: {shown} (target {target}x)"
+    compare = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}[op]
+    met = value is not None and compare(float(value), float(bound))
+    shown = "n/a" if value is None else f"{value:.2f}{unit}"
+    return f"{'met   ' if met else 'MISSED'}  {label}: {shown} (target {target}{unit})"

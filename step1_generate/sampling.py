@@ -89,12 +89,12 @@ def sample(
     logits: [V], any float dtype (computed in float32). seen_token_ids: the prompt and output so far,
     for the repetition penalty. generator: the request's random generator, on the logits' device.
     """
-    logits = logits.float().clone()  # [V]
+    logits = logits.float()  # [V]
     if params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, seen_token_ids, params.repetition_penalty)
+        logits = apply_repetition_penalty(logits.clone(), seen_token_ids, params.repetition_penalty)
     if params.temperature == 0:
         return int(logits.argmax())
-    logits = logits / params.temperature
+    logits = logits / params.temperature  # a new tensor: the filters below may write into it
     if params.top_k > 0:
         kth_best = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits[logits < kth_best] = -math.inf

@@ -249,12 +249,15 @@ class LLMEngine:
         window = self.config.n_positions
 
         bytes_per_block = 2 * self.config.n_layer * block_size * self.config.n_embd * self.dtype.itemsize
+        if num_kv_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("num_kv_blocks, kv_cache_memory: give one of them, not both")
+        if kv_cache_memory is not None:
+            if not isinstance(kv_cache_memory, int) or kv_cache_memory < bytes_per_block:
+                raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be an integer >= {bytes_per_block} bytes (one block)")
+            num_kv_blocks = kv_cache_memory // bytes_per_block
         if num_kv_blocks is None:
-            if kv_cache_memory is not None:
-                num_kv_blocks = kv_cache_memory // bytes_per_block
-            else:
-                num_kv_blocks = max_num_seqs * -(-window // block_size)
-        if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+            num_kv_blocks = max_num_seqs * -(-window // block_size)  # every request can reach the window
+        if not isinstance(num_kv_blocks, int) or isinstance(num_kv_blocks, bool) or num_kv_blocks < 1:
             raise ValueError(
                 f"num_kv_blocks={num_kv_blocks!r}: must be an integer >= 1 "
                 f"(a block of {block_size} tokens takes {bytes_per_block} bytes)"

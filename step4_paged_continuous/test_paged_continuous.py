@@ -228,7 +228,8 @@ def test_bad_engine_arguments(demo_engine_args):
         (dict(block_size=0), "block_size"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(num_kv_blocks=0), "num_kv_blocks"),
-        (dict(kv_cache_memory=10), "num_kv_blocks"),
+        (dict(kv_cache_memory=10), "kv_cache_memory"),
+        (dict(kv_cache_memory=2**20, num_kv_blocks=4), "not both"),
         (dict(max_num_batched_tokens=100), "max_num_batched_tokens"),
     ):
         with pytest.raises(ValueError, match=field):

@@ -1,6 +1,6 @@
-"""benchmarks/: the kvcache benchmark's code path end to end on a tiny model (structure of the JSON, not
-speed: tests never assert timings), the harness's alternation and ratios, and the synthetic GPT-2
-vocabulary of the gpt2-124m-random benchmark model."""
+"""benchmarks/: the kvcache, static_batch and continuous benchmarks' code paths end to end on a tiny model
+(structure of the JSON, not speed: tests never assert timings), the shared workload files, the harness's
+alternation, ratios and percentiles, and the synthetic GPT-2 vocabulary of the gpt2-124m-random model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import harness, kvcache
+from benchmarks import continuous, harness, kvcache, static_batch, workloads
 from benchmarks.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
 from common.tokenizer import Tokenizer, byte_to_unicode
 
@@ -98,3 +98,161 @@ def test_synthetic_gpt2_vocab_loads_and_round_trips(tmp_path):
         assert tokenizer.encode(tokenizer.decode([i])) == [i]
     text = "The benchmark's vocabulary: meaningless, but GPT-2's size.\n"
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+# (prompt tokens, max_tokens) of a small workload with spread lengths that fits the tiny model's 64 positions
+SPREAD = [(5, 3), (12, 9), (3, 12), (20, 4), (8, 8), (15, 6), (9, 2), (4, 10)]
+
+
+def small_workload(name: str, arrivals: list[float] | None = None) -> dict:
+    arrivals = arrivals or [0.0] * len(SPREAD)
+    requests = [{"index": i, "prompt_tokens": p, "max_tokens": n, "arrival_s": a}
+                for i, ((p, n), a) in enumerate(zip(SPREAD, arrivals))]
+    return {"name": name, "token_id_seed": 7, "requests": requests}
+
+
+def static_positions(requests: list[tuple[int, int]], batch_size: int) -> int:
+    """Token positions a static batch computes: every row the longest prompt + the largest max_tokens."""
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    return sum(len(b) * (max(p for p, _ in b) + max(n for _, n in b)) for b in batches)
+
+
+def test_workload_files_load_and_are_deterministic():
+    for name in workloads.NAMES:
+        assert workloads.load(name) == workloads.make(name)  # the committed file is what its seeded recipe makes
+    mixed, staggered = workloads.load("mixed"), workloads.load("staggered")
+    assert len(mixed["requests"]) == 64 and all(r["arrival_s"] == 0 for r in mixed["requests"])
+    for r in mixed["requests"]:
+        assert 8 <= r["prompt_tokens"] <= 256 and 8 <= r["max_tokens"] <= 128
+        assert r["prompt_tokens"] + r["max_tokens"] <= 512  # fits the demo model's context window
+    assert len({r["max_tokens"] for r in mixed["requests"]}) > 30  # widely spread lengths
+    # staggered: the first mixed requests, arriving in order from time 0
+    arrivals = [r["arrival_s"] for r in staggered["requests"]]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 5
+    n = len(staggered["requests"])
+    assert [(r["prompt_tokens"], r["max_tokens"]) for r in staggered["requests"]] == [
+        (r["prompt_tokens"], r["max_tokens"]) for r in mixed["requests"][:n]]
+
+    # token ids: regenerated from the seed for any vocabulary, the same every time, never end-of-text
+    first, again = workloads.requests(mixed, 1000), workloads.requests(mixed, 1000)
+    assert first == again
+    assert [r.prompt_tokens for r in first] == [r["prompt_tokens"] for r in mixed["requests"]]
+    assert all(0 <= t < 999 for r in first for t in r.prompt_token_ids)
+    small = workloads.take(mixed, 3, max_prompt_tokens=10, max_tokens=5)
+    assert small["derived"] == {"from": "mixed", "first_n": 3, "max_prompt_tokens": 10, "max_tokens": 5}
+    short = workloads.requests(small, 1000)
+    assert [r.prompt_token_ids for r in short] == [r.prompt_token_ids[:10] for r in first[:3]]  # prefixes
+    with pytest.raises(ValueError, match="context window"):
+        workloads.requests(mixed, 1000, context_window=128)
+
+
+def test_static_batch_benchmark_writes_json_and_plot(tiny_model, tmp_path):
+    result = static_batch.run([tiny_model], runs=2, batch_sizes=[1, 4], equal_prompt_tokens=8, equal_max_tokens=6,
+                              step2_max_requests=2, mixed=small_workload("test-mixed"), mixed_batch_size=4,
+                              out_dir=tmp_path)
+
+    written = json.loads((tmp_path / "static_batch-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "static_batch-cpu.png").stat().st_size > 0
+    assert {"cpu", "torch_threads", "torch", "transformers", "dtype", "date"} <= set(written["machine"])
+    assert written["workload"]["mixed"]["workload"]["requests"][1] == {
+        "index": 1, "prompt_tokens": 12, "max_tokens": 9, "arrival_s": 0.0}  # exactly what ran
+    model = written["models"][tiny_model]
+
+    # a. equal-length requests: one point per batch size, every engine, every run; step2 serves at most 2
+    assert [p["batch_size"] for p in model["equal_length"]] == [1, 4]
+    for point in model["equal_length"]:
+        b = point["batch_size"]
+        assert point["requests"] == {"step2": min(b, 2), "step3": b, "hf": b}
+        for engine, runs in point["runs"].items():
+            assert len(runs) == 2
+            for r in runs:
+                assert r["generated_tokens"] == 6 * point["requests"][engine] and r["throughput_tok_s"] > 0
+                assert r["computed_over_requested"] == 1  # equal lengths: no padding, no finished rows
+        for label in ("step3/step2", "step3/hf", "hf/step2"):
+            assert len(point["ratios"][label]["per_run"]) == 2 and point["ratios"][label]["median"] > 0
+
+    # b. mixed lengths in batches of 4: static batching computes every row to the batch's longest
+    mixed = model["mixed"]
+    requested = sum(p + n for p, n in SPREAD)
+    for engine in ("step2", "step3", "hf"):
+        for r in mixed["runs"][engine]:
+            assert r["requests_served"] == len(SPREAD) and r["generated_tokens"] == sum(n for _, n in SPREAD)
+            assert r["requested_tokens"] == requested
+            assert r["latency_mean_s"] > 0 and r["latency_p95_s"] >= r["latency_p50_s"] > 0
+            assert len(r["requests"]) == len(SPREAD)  # every request's record is kept
+    assert mixed["median"]["step2"]["computed_tokens"] == requested
+    assert mixed["median"]["step3"]["computed_tokens"] == static_positions(SPREAD, 4) > requested
+    assert mixed["median"]["hf"]["computed_tokens"] == static_positions(SPREAD, 4)
+    assert [b["requests"] for b in mixed["runs"]["step3"][0]["batches"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert set(mixed["ratios"]) >= {"step3/step2", "step3/hf", "step2/step3 latency", "hf/step3 latency"}
+
+    report = static_batch.report(written)
+    assert "targets" in report and report.count("met") + report.count("MISSED") >= 2
+
+
+def test_continuous_benchmark_writes_json_and_plot(tiny_model, tmp_path):
+    arrivals = [0.0, 0.0, 0.01, 0.012, 0.02, 0.05, 0.06, 0.08]  # seconds: short, so the test stays fast
+    result = continuous.run([tiny_model], runs=2, mixed=small_workload("test-mixed"),
+                            staggered=small_workload("test-staggered", arrivals), max_batch=4, concurrency=[2, 4],
+                            concurrency_requests=6, out_dir=tmp_path)
+
+    written = json.loads((tmp_path / "continuous-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "continuous-cpu.png").stat().st_size > 0
+    model = written["models"][tiny_model]
+
+    # a. mixed and staggered: both engines, both runs; step 4 computes exactly what was asked for
+    for name in ("mixed", "staggered"):
+        point = model[name]
+        assert point["max_batch"] == 4
+        for engine in ("step3", "step4"):
+            assert len(point["runs"][engine]) == 2
+            for r in point["runs"][engine]:
+                assert r["requests_served"] == len(SPREAD) and r["throughput_tok_s"] > 0
+                assert r["ttft_p95_s"] >= r["ttft_p50_s"] > 0 and r["latency_mean_s"] > 0
+                for rec in r["requests"]:  # nobody starts before arriving, and latency counts from arrival
+                    assert rec["arrival_s"] == arrivals[rec["index"]] if name == "staggered" else rec["arrival_s"] == 0
+                    assert rec["arrival_s"] <= rec["started_s"] < rec["first_token_s"] <= rec["finished_s"]
+        assert point["median"]["step4"]["computed_over_requested"] == 1
+        assert point["median"]["step4"]["num_preemptions"] == 0
+        assert point["median"]["step3"]["computed_over_requested"] > 1
+        for label in ("step4/step3", "step3/step4 latency", "step3/step4 p95 latency", "step3/step4 ttft"):
+            assert len(point["ratios"][label]["per_run"]) == 2 and point["ratios"][label]["median"] > 0
+    assert model["mixed"]["median"]["step3"]["computed_tokens"] == static_positions(SPREAD, 4)
+    assert model["mixed"]["median"]["step4"]["max_running"] == 4
+
+    # b. KV memory: step 3 reserves its largest batch; step 4 wastes less than a block per sequence
+    kv = model["kv_memory"]
+    bytes_per_token = 2 * 2 * 32 * 4  # K and V x 2 layers x 32 wide x fp32
+    assert kv["bytes_per_token"] == bytes_per_token and kv["bytes_per_block"] == 16 * bytes_per_token
+    capacities = [max(p for p, _ in b) + max(n for _, n in b) for b in (SPREAD[:4], SPREAD[4:])]
+    assert kv["step3"]["peak_bytes"] == 4 * max(capacities) * bytes_per_token
+    assert [b["capacity"] for b in kv["step3"]["batches"]] == capacities
+    assert 0 < kv["step4"]["peak_tokens_stored"] <= kv["step4"]["peak_blocks"] * 16
+    assert kv["step4"]["peak_bytes"] == kv["step4"]["peak_blocks"] * kv["bytes_per_block"]
+    assert 0 <= kv["step4"]["waste_mean_blocks"] <= kv["step4"]["waste_max_blocks"] < 1
+    assert kv["step3"]["waste_max_blocks"] > kv["step4"]["waste_max_blocks"]
+    budget = kv["budget"]
+    assert budget["bytes"] == kv["step3"]["peak_bytes"] and budget["step3_max_sequences"] == 4
+    assert budget["step4_max_running"] >= 1 and budget["step4_run"]["requests_served"] == len(SPREAD)
+
+    # c./d. the concurrency sweep on the first 6 requests; HF sequential at the last point only
+    assert [p["max_batch"] for p in model["concurrency"]] == [2, 4]
+    first, last = model["concurrency"]
+    assert set(first["runs"]) == {"step3", "step4"} and set(last["runs"]) == {"step3", "step4", "hf"}
+    assert all(r["requests_served"] == 6 for runs in last["runs"].values() for r in runs)
+    assert last["median"]["hf"]["computed_over_requested"] == 1  # one request at a time: no padding
+    assert len(last["ratios"]["step4/hf"]["per_run"]) == 2 and last["ratios"]["step4/hf"]["median"] > 0
+
+    report = continuous.report(written)
+    assert "targets" in report and "blocks" in report
+
+
+def test_percentile_and_target_lines():
+    assert harness.percentile([], 95) is None
+    assert harness.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert harness.percentile([0.0, 10.0], 95) == pytest.approx(9.5)  # linear between the two ranks
+    assert harness.target_line("a", 2.0, ">= 1.5").startswith("met")
+    assert harness.target_line("a", 1.0, "< 1", " blocks") == "MISSED  a: 1.00 blocks (target < 1 blocks)"
+    assert harness.target_line("a", None, ">= 3").startswith("MISSED")
