@@ -59,22 +59,32 @@ class Tokenizer:
             with open(folder / "vocab.json", encoding="utf-8") as f:
                 vocab: dict[str, int] = json.load(f)
             with open(folder / "merges.txt", encoding="utf-8") as f:
-                merges = [line.split() for line in f.read().splitlines() if line and not line.startswith("#version")]
+                merges = [line.split(" ") for line in f.read().splitlines() if line and not line.startswith("#version")]
         except FileNotFoundError as e:
             raise ValueError(f"{folder}: tokenizer file {Path(e.filename).name} is missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{folder}: vocab.json or merges.txt is not readable ({e})") from None
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+            raise ValueError(f"{folder}/vocab.json: expected an object of token -> integer id")
 
         char_to_byte = {ch: b for b, ch in byte_to_unicode().items()}
-        ranks: dict[bytes, int] = {}
-        for ch, b in char_to_byte.items():
-            ranks[bytes([b])] = vocab[ch]
+        missing = [ch for ch in char_to_byte if ch not in vocab]
+        if missing:
+            raise ValueError(f"{folder}/vocab.json: lacks {len(missing)} of the 256 byte tokens, e.g. {missing[0]!r}")
+        ranks: dict[bytes, int] = {bytes([b]): vocab[ch] for ch, b in char_to_byte.items()}
         last_rank = -1
-        for left, right in merges:
+        for number, merge in enumerate(merges, start=1):
+            if len(merge) != 2:
+                raise ValueError(f"{folder}/merges.txt: merge {number} is {' '.join(merge)!r}, expected two tokens")
+            left, right = merge
             token = left + right
             if token not in vocab:
                 raise ValueError(f"{folder}: merge {left} {right} makes {token!r}, which vocab.json lacks")
             rank = vocab[token]
             if rank <= last_rank:
                 raise ValueError(f"{folder}: token ids do not follow merges.txt order at {token!r}")
+            if not set(token) <= char_to_byte.keys():
+                raise ValueError(f"{folder}/merges.txt: merge {number} has characters outside GPT-2's byte alphabet")
             ranks[_token_bytes(token, char_to_byte)] = last_rank = rank
         ranked_ids = set(ranks.values())
         special = {tok: i for tok, i in vocab.items() if i not in ranked_ids}  # <|endoftext|> and any added token

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CHECKPOINT = REPO_ROOT / "demo" / "checkpoint"
@@ -78,30 +78,48 @@ class GPT2Config:
     def from_json(cls, path: str | os.PathLike) -> GPT2Config:
         """Read a Hugging Face GPT-2 ``config.json``.
 
-        Raises ValueError if the file is not a GPT-2 config or uses an option this code does not implement.
+        Raises ValueError, naming the file and the field, if it is not valid JSON, not a GPT-2 config,
+        has a size that is not a positive integer, or uses an option this code does not implement.
         """
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = _read_json(path)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
         if raw.get("model_type", "gpt2") != "gpt2":
             raise ValueError(f"{path}: model_type is {raw['model_type']!r}, only 'gpt2' is supported")
         activation = raw.get("activation_function", "gelu_new")
         if activation not in GELU_APPROXIMATION:
             raise ValueError(f"{path}: activation_function {activation!r} is not one of {sorted(GELU_APPROXIMATION)}")
-        for option in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
-            if raw.get(option):
-                raise ValueError(f"{path}: {option}=true is not supported")
-        config = cls(
-            vocab_size=raw["vocab_size"],
-            n_positions=raw.get("n_positions", raw.get("n_ctx")),
-            n_embd=raw["n_embd"],
-            n_layer=raw["n_layer"],
-            n_head=raw["n_head"],
-            layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5),
-            activation=GELU_APPROXIMATION[activation],
-        )
-        if config.n_embd % config.n_head:
-            raise ValueError(f"{path}: n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
-        return config
+        unsupported = {  # options of HF's GPT2Config that change the computation, at their non-default values
+            "scale_attn_by_inverse_layer_idx": True,
+            "reorder_and_upcast_attn": True,
+            "add_cross_attention": True,
+            "scale_attn_weights": False,
+            "tie_word_embeddings": False,
+        }
+        for option, value in unsupported.items():
+            if raw.get(option) is value:
+                raise ValueError(f"{path}: {option}={str(value).lower()} is not supported")
+        sizes = {name: raw.get(name) for name in ("vocab_size", "n_embd", "n_layer", "n_head")}
+        sizes["n_positions"] = raw.get("n_positions", raw.get("n_ctx"))
+        for name, value in sizes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{path}: {name}={value!r}, expected an integer >= 1")
+        if sizes["n_embd"] % sizes["n_head"]:
+            raise ValueError(f"{path}: n_embd={sizes['n_embd']} is not a multiple of n_head={sizes['n_head']}")
+        if raw.get("n_inner") not in (None, 4 * sizes["n_embd"]):
+            raise ValueError(f"{path}: n_inner={raw['n_inner']!r} is not supported (the MLP is 4 x n_embd wide)")
+        eps = raw.get("layer_norm_epsilon", 1e-5)
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+            raise ValueError(f"{path}: layer_norm_epsilon={eps!r}, expected a number in (0, 1)")
+        return cls(**sizes, layer_norm_epsilon=float(eps), activation=GELU_APPROXIMATION[activation])
+
+
+def _read_json(path: str | os.PathLike):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def resolve_model(spec: str | os.PathLike) -> Path:
@@ -127,7 +145,7 @@ def resolve_model(spec: str | os.PathLike) -> Path:
 
 def _download(repo_id: str) -> Path:
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:  # a complete copy in the local cache: no network at all
         folder = Path(snapshot_download(repo_id, allow_patterns=SNAPSHOT_FILES, local_files_only=True))
@@ -139,6 +157,8 @@ def _download(repo_id: str) -> Path:
         info = HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
     except RepositoryNotFoundError:
         raise ValueError(f"model {repo_id!r}: no such model on the Hugging Face Hub (or it is private)") from None
+    except HFValidationError:
+        raise ValueError(f"model {repo_id!r}: neither a local folder nor a valid Hub id (such as 'gpt2')") from None
     except Exception as e:  # connection refused, DNS failure, time-out, HF_HUB_OFFLINE=1, Hub error 5xx
         raise ConnectionError(
             f"model {repo_id!r}: the Hugging Face Hub could not be reached ({type(e).__name__}) and the model "
@@ -172,20 +192,26 @@ def load_safetensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     Reads ``model.safetensors``, or every shard named in ``model.safetensors.index.json``. Tensors are
     memory-mapped from the files by safetensors and copied once, when a step moves them to its own
-    parameters. Raises ValueError if a shard named by the index is missing.
+    parameters. Raises ValueError if a shard named by the index is missing or a file is not safetensors.
     """
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: expected a JSON object with a weight_map")
+        shards = sorted(set(weight_map.values()))
     else:
         shards = ["model.safetensors"]
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         if not (folder / shard).is_file():
             raise ValueError(f"{folder}: shard {shard} named in {index.name} is missing")
-        with safe_open(folder / shard, framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(folder / shard, framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{folder / shard}: not a readable safetensors file ({e})") from None
     return tensors

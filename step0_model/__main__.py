@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.device.split(":")[0] not in ("cpu", "cuda") or (args.device.startswith("cuda") and not torch.cuda.is_available()):
+            raise ValueError(f"--device {args.device}: must be cpu, or cuda on a machine with a CUDA GPU")
         folder = resolve_model(args.model)
         tokenizer = Tokenizer(folder)
         model = GPT.from_pretrained(str(folder), device=args.device, dtype=DTYPES[args.dtype])

@@ -9,6 +9,7 @@ step 1's p + (p+1) + ... + (p+n-1); each decode step is one token's work plus at
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,33 @@ from .model import GPT
 from .sampling import SamplingParams, sample
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_device(device: str) -> torch.device:
+    """The torch device named ``device``: "cpu", "cuda" or "cuda:N". Raises ValueError for anything else,
+    or for a GPU this machine does not have."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: not a device name (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the engines run on 'cpu' or 'cuda' only")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def as_token_ids(ids) -> list[int]:
+    """A prompt given as token ids, as a list of ints; numpy and torch integers are accepted, bools are not.
+    Raises ValueError for anything else."""
+    try:
+        if isinstance(ids, (str, bytes)) or any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt_token_ids: each prompt must be a list of integer token ids") from None
 
 
 @dataclass
@@ -192,12 +220,7 @@ class LLM:
     def __init__(self, model: str = "demo", device: str = "cpu", dtype: str = "float32"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPES)}")
-        try:
-            self.device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device={device!r}: not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+        self.device = check_device(device)
         folder = resolve_model(model)
         self.tokenizer = Tokenizer(folder)
         self.dtype = DTYPES[dtype]
@@ -243,12 +266,16 @@ class LLM:
                 raise ValueError("prompts: must be strings (use prompt_token_ids= for token ids)")
             token_lists = [self.tokenizer.encode(p) for p in prompts]
         else:
-            token_lists = [list(ids) for ids in prompt_token_ids]
+            if prompt_token_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+                prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list
+            token_lists = [as_token_ids(ids) for ids in prompt_token_ids]
             prompts = [None] * len(token_lists)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(token_lists)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
         if len(sampling_params) != len(token_lists):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(token_lists)} prompts")
         for ids, params in zip(token_lists, sampling_params):

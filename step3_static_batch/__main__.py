@@ -51,19 +51,13 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=args.ignore_eos,
             seed=args.seed,
         )
-        prompts = list(args.prompts)
-        if args.prompts_file:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                prompts += [line.rstrip("\r\n") for line in f if line.strip()]
+        prompts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         if not prompts:
             raise ValueError("prompts: give at least one prompt, as an argument or with --prompts-file")
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size)
         if len(prompts) > 1:
             return run_batch(llm, prompts, params)
         outputs = llm.stream_outputs(prompts[0], params)  # validates the request
-    except OSError as e:
-        print(f"error: --prompts-file: {e.strerror}: {e.filename}", file=sys.stderr)
-        return 2
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -80,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file. Raises ValueError naming the file if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\r\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts-file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
 def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:

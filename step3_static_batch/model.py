@@ -150,6 +150,9 @@ class GPT(nn.Module):
         if num_pads is not None and bool(num_pads.any()):
             mask = padding_mask(num_pads, start, T)  # [B, 1, T, S]
             positions = (positions[None, :] - num_pads[:, None]).clamp(min=0)  # [B, T], 0 at each row's first token
+            # A row that finished at the context window keeps stepping with its batch: its output is thrown
+            # away, but its positions must stay inside the position table.
+            positions = positions.clamp(max=self.config.n_positions - 1)
         x = self.wte(input_ids) + self.wpe(positions)  # [B, T, C]
         for layer, block in enumerate(self.h):
             x = block(x, kv_cache, layer, mask)  # [B, T, C]

@@ -281,7 +281,46 @@ def test_bad_requests_raise_before_any_compute(llm, monkeypatch):
         llm.generate(["fine", "x " * 600], GREEDY)
 
 
+def test_extreme_sampling_values_do_not_crash(llm):
+    """Values at the edge of float32: a temperature too small to divide by is greedy (as in vLLM), a top_p
+    below float32's smallest number keeps the best token, an extreme penalty stays finite."""
+    greedy = llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+    for params in (
+        SamplingParams(max_tokens=24, temperature=1e-40),
+        SamplingParams(max_tokens=24, temperature=1.0, top_p=1e-300, seed=0),
+    ):
+        assert llm.generate(PROMPTS[0], params)[0].token_ids == greedy
+    for penalty in (1e-300, 1e300):
+        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0, repetition_penalty=penalty, seed=0))[0]
+        assert len(out.token_ids) == 8
+
+
+def test_lenient_and_strict_input_forms(llm):
+    import numpy as np
+
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    expected = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].token_ids
+    assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)[0].token_ids == expected  # one flat list
+    assert llm.generate(prompt_token_ids=[np.array(ids)], sampling_params=GREEDY)[0].token_ids == expected
+    assert llm.generate(prompt_token_ids=[torch.tensor(ids)], sampling_params=GREEDY)[0].token_ids == expected
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(prompt_token_ids=[[True, 5]], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(prompt_token_ids=[[1.5, 2]], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(PROMPTS[0], {"max_tokens": 3})
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=5)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
 def test_bad_model_device_dtype(tmp_path):
+    for device in ("meta", "mps", None, "cuda:abc", ""):
+        with pytest.raises(ValueError, match="device"):
+            LLM(device=device)
     with pytest.raises(ValueError, match="dtype"):
         LLM(dtype="float8")
     with pytest.raises(ValueError, match="device"):
@@ -292,8 +331,8 @@ def test_bad_model_device_dtype(tmp_path):
         LLM(model=str(tmp_path))
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120)
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_cli_streams_text_then_summary(llm):
@@ -317,3 +356,16 @@ def test_cli_bad_input_is_one_line_and_exit_2(args):
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_cli_hub_model_offline_fails_fast_with_one_line():
+    """HF_HUB_OFFLINE=1 makes huggingface_hub refuse the network: the message says the Hub is unreachable."""
+    import os
+    import time
+
+    start = time.perf_counter()
+    result = run_cli("hi", "--model", "nobody/no-such-model-here", env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert time.perf_counter() - start < 30  # interpreter start-up included; the lookup itself fails at once
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not be reached" in lines[0] and "local folder" in lines[0]

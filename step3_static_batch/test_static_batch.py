@@ -73,6 +73,17 @@ def test_prompt_lengths_from_1_to_near_the_window(llm, solo):
     assert [o.metrics.padding_tokens for o in outs] == [490 - n for n in lengths]
 
 
+def test_a_row_that_reaches_the_window_keeps_stepping_safely(llm, solo):
+    """Row 0 (500 tokens) stops at the 512-token window after 12 tokens; row 1 goes on for 100 steps with
+    row 0 still computing beside it, past the window, without touching the position table's end."""
+    ids = [[5] * 500, [5]]
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [12, 100]
+    assert outs[0].finish_reason == outs[1].finish_reason == "length"
+    assert outs[0].token_ids == solo_ids(solo, ids[0], 100) and outs[1].token_ids == solo_ids(solo, ids[1], 100)
+    assert outs[0].metrics.wasted_tokens == 100 - 12
+
+
 def test_equals_hf_generate_with_left_padding(llm, demo_snapshot):
     tok = llm.tokenizer
     ids = [tok.encode(p) for p in PROMPTS[:5]]

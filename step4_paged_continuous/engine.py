@@ -16,7 +16,9 @@ the KV cache holds only the blocks that requests actually use.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +34,33 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_device(device: str) -> torch.device:
+    """The torch device named ``device``: "cpu", "cuda" or "cuda:N". Raises ValueError for anything else,
+    or for a GPU this machine does not have."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: not a device name (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the engines run on 'cpu' or 'cuda' only")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def as_token_ids(ids) -> list[int]:
+    """A prompt given as token ids, as a list of ints; numpy and torch integers are accepted, bools are not.
+    Raises ValueError for anything else."""
+    try:
+        if isinstance(ids, (str, bytes)) or any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt_token_ids: each prompt must be a list of integer token ids") from None
 
 
 @dataclass
@@ -235,12 +264,7 @@ class LLMEngine:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPES)}")
-        try:
-            self.device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device={device!r}: not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+        self.device = check_device(device)
         folder = resolve_model(model)
         self.tokenizer = Tokenizer(folder)
         self.dtype = DTYPES[dtype]
@@ -287,7 +311,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
+            text, ids = None, as_token_ids(prompt)
         else:
             raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -411,6 +435,7 @@ class LLM:
         self.model = self.engine.model
         self.config = self.engine.config
         self._request_ids = itertools.count()
+        self._outputs: dict[str, deque[RequestOutput]] = {}  # outputs not yet read, per request of this LLM
 
     def generate(
         self,
@@ -422,15 +447,21 @@ class LLM:
 
         All requests are queued at once and the engine steps until every one has finished.
         sampling_params: one for all prompts, or one per prompt; default ``SamplingParams()``.
-        Every request is validated before any compute; a bad one raises ValueError.
+        Every request is validated before any compute; a bad one raises ValueError. If anything
+        interrupts the loop, this call's unfinished requests are aborted, so that none is left behind.
         """
-        request_ids = self._add_requests(prompts, sampling_params, prompt_token_ids)
-        finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        return [finished[i] for i in request_ids]
+        request_ids = self._add(self._requests(prompts, sampling_params, prompt_token_ids))
+        outputs = []
+        try:
+            for request_id in request_ids:
+                last = None  # stays None only if the request was aborted through self.engine meanwhile
+                for last in self._follow(request_id):  # steps the engine: every request advances together
+                    pass
+                outputs.append(last)
+        finally:
+            for request_id in request_ids:
+                self._stop(request_id)
+        return outputs
 
     def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion piece by piece, as it is generated.
@@ -440,22 +471,42 @@ class LLM:
         return (out.delta for out in self.stream_outputs(prompt, sampling_params) if out.delta)
 
     def stream_outputs(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Like ``stream``, but yield a ``RequestOutput`` after every token (with ``delta``, metrics)."""
-        (request_id,) = self._add_requests(prompt, sampling_params, None)
-        return self._follow(request_id)
+        """Like ``stream``, but yield a ``RequestOutput`` after every token (with ``delta``, metrics).
+
+        The request enters the engine when the first output is asked for, and leaves it (its blocks freed)
+        when the stream ends or is closed. Several streams of one ``LLM`` may be read in any interleaving.
+        """
+        return self._stream(self._requests(prompt, sampling_params, None))
+
+    def _stream(self, requests: list[tuple]) -> Iterator[RequestOutput]:
+        (request_id,) = self._add(requests)
+        try:
+            yield from self._follow(request_id)
+        finally:
+            self._stop(request_id)
 
     def _follow(self, request_id: str) -> Iterator[RequestOutput]:
-        try:
-            while self.engine.has_unfinished_requests():
+        """The outputs of one request, in order; steps the engine whenever none is waiting. Every step's
+        outputs go to their own request's queue, so readers of other requests lose nothing."""
+        queue = self._outputs[request_id]
+        while True:
+            while not queue:
+                if request_id not in self.engine.sequences:  # aborted from outside
+                    return
                 for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
-        finally:  # the consumer stopped early: free the request's blocks
-            self.engine.abort_request(request_id)
+                    if out.request_id in self._outputs:
+                        self._outputs[out.request_id].append(out)
+            out = queue.popleft()
+            yield out
+            if out.finished:
+                return
 
-    def _add_requests(self, prompts, sampling_params, prompt_token_ids) -> list[str]:
+    def _stop(self, request_id: str) -> None:
+        self._outputs.pop(request_id, None)
+        self.engine.abort_request(request_id)  # nothing happens if it has finished
+
+    def _requests(self, prompts, sampling_params, prompt_token_ids) -> list[tuple]:
+        """(prompt, token ids, params) of every request, all validated (ValueError) before any is queued."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass either prompts or prompt_token_ids")
         if prompts is not None:
@@ -464,17 +515,27 @@ class LLM:
                 raise ValueError("prompts: must be strings (use prompt_token_ids= for token ids)")
             token_lists = [self.tokenizer.encode(p) for p in prompts]
         else:
-            token_lists = [list(ids) for ids in prompt_token_ids]
+            if prompt_token_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+                prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list
+            token_lists = [as_token_ids(ids) for ids in prompt_token_ids]
             prompts = token_lists
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(token_lists)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
         if len(sampling_params) != len(token_lists):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(token_lists)} prompts")
         for ids, params in zip(token_lists, sampling_params):
             self.engine.check_request(ids, params)
-        request_ids = [str(next(self._request_ids)) for _ in prompts]
-        for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
+        return list(zip(prompts, token_lists, sampling_params))
+
+    def _add(self, requests: list[tuple]) -> list[str]:
+        request_ids = []
+        for prompt, ids, params in requests:
+            request_id = str(next(self._request_ids))
             self.engine.add_request(request_id, prompt, params)
+            self._outputs[request_id] = deque()
+            request_ids.append(request_id)
         return request_ids

@@ -273,6 +273,48 @@ def test_stream_and_early_close_free_the_request(demo_engine_args, solo):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_interleaved_streams_and_generate_lose_nothing(demo_engine_args, solo):
+    llm = LLM(**demo_engine_args)
+    a = llm.stream(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    b = llm.stream(PROMPTS[2], SamplingParams(max_tokens=25, temperature=0, ignore_eos=True))
+    text_a, text_b = next(a), ""
+    for piece in b:  # b steps the engine: a's outputs are kept for a
+        text_b += piece
+        text_a += next(a, "")
+    middle = llm.generate(PROMPTS[3], SamplingParams(max_tokens=10, temperature=0))[0]
+    text_a += "".join(a)
+    assert text_a == solo(PROMPTS[1], 30, ignore_eos=True).text
+    assert text_b == solo(PROMPTS[2], 25, ignore_eos=True).text
+    assert middle.token_ids == solo(PROMPTS[3], 10).token_ids
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_stream_never_read_holds_nothing(demo_engine_args):
+    llm = LLM(**demo_engine_args)
+    llm.stream(PROMPTS[1], SamplingParams(max_tokens=200))  # validated, never started
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_failing_step_leaves_no_request_behind(demo_engine_args, solo, monkeypatch):
+    llm = LLM(**demo_engine_args)
+    real_forward = llm.model.forward
+    calls = []
+
+    def failing_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.model, "forward", failing_forward)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=10, temperature=0))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    out = llm.generate(PROMPTS[4], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert out.token_ids == solo(PROMPTS[4], 10).token_ids
+
+
 # Property-based: random schedules of arrivals, aborts and lengths on the tiny random model.
 EVENTS = st.lists(
     st.one_of(

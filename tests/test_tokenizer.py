@@ -92,3 +92,22 @@ def test_incomplete_tail_at_the_end_becomes_replacement_character(demo_tokenizer
     assert detok.push(first_byte) == ""
     assert detok.flush() == "\ufffd"
     assert ours.decode([first_byte]) == "\ufffd"
+
+
+def test_broken_tokenizer_files_are_value_errors(demo_snapshot, tmp_path):
+    import json
+
+    vocab = json.loads((demo_snapshot / "vocab.json").read_text())
+    merges = (demo_snapshot / "merges.txt").read_text()
+    cases = [
+        ({k: v for k, v in vocab.items() if k != "!"}, merges, "byte tokens"),
+        (vocab, merges + "a b c\n", "expected two tokens"),
+        ("{not json", merges, "not readable"),
+    ]
+    for i, (v, m, message) in enumerate(cases):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "vocab.json").write_text(v if isinstance(v, str) else json.dumps(v))
+        (folder / "merges.txt").write_text(m)
+        with pytest.raises(ValueError, match=message):
+            Tokenizer(folder)

@@ -88,3 +88,57 @@ def test_unknown_hub_model_is_a_value_error(fake_hub, monkeypatch):
 def test_all_aliases_are_gpt2_family():
     assert set(weights.MODEL_ALIASES) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2"}
     assert weights.MODEL_ALIASES["distilgpt2"] == "distilbert/distilgpt2"
+
+
+def broken_copy(src, dst, **replace):
+    """A copy of a snapshot folder with some files replaced: name -> bytes or text."""
+    dst.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.json", "merges.txt"):
+        content = replace.get(name.replace(".", "_"), (src / name).read_bytes())
+        (dst / name).write_bytes(content.encode() if isinstance(content, str) else content)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "replace, message",
+    [
+        (dict(config_json="{}"), "vocab_size"),
+        (dict(config_json="[]"), "JSON object"),
+        (dict(config_json="{not json"), "not valid JSON"),
+        (dict(model_safetensors=b"garbage"), "not a readable safetensors file"),
+        (dict(model_safetensors=b""), "not a readable safetensors file"),
+    ],
+)
+def test_broken_folders_are_value_errors(tiny_snapshot, tmp_path, replace, message):
+    from step0_model import GPT
+
+    folder = broken_copy(tiny_snapshot, tmp_path / "broken", **replace)
+    with pytest.raises(ValueError, match=message):
+        GPT.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"n_head": 0}, "n_head=0"),
+        ({"n_head": "4"}, "n_head='4'"),
+        ({"n_embd": 32.0}, "n_embd=32.0"),
+        ({"n_head": 5}, "multiple of n_head"),
+        ({"scale_attn_weights": False}, "scale_attn_weights=false"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings=false"),
+        ({"n_inner": 100}, "n_inner"),
+        ({"activation_function": "swish"}, "activation_function"),
+    ],
+)
+def test_config_values_are_checked(tiny_snapshot, tmp_path, change, message):
+    import json
+
+    raw = json.loads((tiny_snapshot / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(ValueError, match=message):
+        load_config(tmp_path)
+
+
+def test_invalid_hub_id_is_a_value_error(fake_hub):
+    with pytest.raises(ValueError, match="valid Hub id"):
+        resolve_model("gpt2 ")
