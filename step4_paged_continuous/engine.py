@@ -15,6 +15,7 @@ the KV cache holds only the blocks that requests actually use.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import time
@@ -467,8 +468,9 @@ class LLM:
         """Yield the text of one completion piece by piece, as it is generated.
 
         The request is validated when ``stream`` is called (ValueError), before the first token.
+        Closing the stream (or leaving a loop over it early) aborts the request and frees its blocks.
         """
-        return (out.delta for out in self.stream_outputs(prompt, sampling_params) if out.delta)
+        return _text_deltas(self.stream_outputs(prompt, sampling_params))
 
     def stream_outputs(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Like ``stream``, but yield a ``RequestOutput`` after every token (with ``delta``, metrics).
@@ -539,3 +541,10 @@ class LLM:
             self._outputs[request_id] = deque()
             request_ids.append(request_id)
         return request_ids
+
+
+def _text_deltas(outputs: Iterator[RequestOutput]) -> Iterator[str]:
+    with contextlib.closing(outputs):  # closing this stream closes the request's own at once, not at garbage collection
+        for out in outputs:
+            if out.delta:
+                yield out.delta
