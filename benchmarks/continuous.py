@@ -126,13 +126,7 @@ def run(
         result["models"][name] = bench_model(name, device, runs, mixed, staggered, sweep_workload, max_batch,
                                               concurrency, block_size, budget_max_num_seqs)
         result["models"][name]["elapsed_s"] = time.perf_counter() - model_started
-    result["elapsed_s"] = time.perf_counter() - started
-    json_path = harness.write_json(harness.result_path(NAME, device, "json", out_dir), result)
-    png_path = plot(result, harness.result_path(NAME, device, "png", out_dir))
-    print()
-    print(report(result))
-    print(f"\nwrote {json_path} and {png_path} ({result['elapsed_s']:.0f} s)")
-    return result
+    return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
 def bench_model(name: str, device: str, runs: int, mixed: dict, staggered: dict, sweep_workload: dict, max_batch: int,

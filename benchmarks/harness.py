@@ -156,6 +156,25 @@ def result_path(name: str, device: str, suffix: str, out_dir: Path = RESULTS) ->
     return Path(out_dir) / f"{name}-{torch.device(device).type}.{suffix}"
 
 
+def finish(
+    name: str,
+    device: str,
+    result: dict,
+    started: float,
+    plot: Callable[[dict, Path], Path],
+    report: Callable[[dict], str],
+    out_dir: Path = RESULTS,
+) -> dict:
+    """The end of every benchmark: record the elapsed time, write the JSON and the PNG, print the table."""
+    result["elapsed_s"] = time.perf_counter() - started
+    json_path = write_json(result_path(name, device, "json", out_dir), result)
+    png_path = plot(result, result_path(name, device, "png", out_dir))
+    print()
+    print(report(result))
+    print(f"\nwrote {json_path} and {png_path} ({result['elapsed_s']:.0f} s)")
+    return result
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     """A plain-text table, right-aligned columns; None shows as "-", floats with 3 significant digits."""
     def cell(v) -> str:
