@@ -1,6 +1,6 @@
 """What every benchmark shares: the machine record, timing, alternation, medians, ratios, JSON, tables.
 
-The rules (GUIDE.md, "Benchmarks, not timed tests"):
+The rules (also in benchmarks/README.md):
 - warm up: the first call of an engine pays for lazy initialisation (allocator, thread pool, kernel
   selection), so each workload runs once untimed before it is measured;
 - several runs, and the median, which one slow run (another process taking a core) does not move;
@@ -165,7 +165,13 @@ def finish(
     report: Callable[[dict], str],
     out_dir: Path = RESULTS,
 ) -> dict:
-    """The end of every benchmark: record the elapsed time, write the JSON and the PNG, print the table."""
+    """The end of every benchmark: record the elapsed time, write the JSON and the PNG, print the table.
+
+    A --quick run writes into ``<out_dir>/quick/`` (git-ignored), so that it never replaces the
+    recorded results that the READMEs quote.
+    """
+    if result["workload"].get("quick"):
+        out_dir = out_dir / "quick"
     result["elapsed_s"] = time.perf_counter() - started
     json_path = write_json(result_path(name, device, "json", out_dir), result)
     png_path = plot(result, result_path(name, device, "png", out_dir))

@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.check:
         from transformers import GPT2LMHeadModel
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         hf = GPT2LMHeadModel.from_pretrained(folder, dtype=DTYPES[args.dtype]).to(args.device).eval()
         with torch.inference_mode():
             hf_logits = hf(input_ids).logits  # [1, T, V]

@@ -1,6 +1,6 @@
 """Step 2 tests: the KV cache changes the cost of generation, never its result.
 
-Parity tiers (GUIDE.md): greedy ids identical to step 1 and to HF ``generate(use_cache=True)``; the
+Parity tiers (README.md, "How correctness is checked"): greedy ids identical to step 1 and to HF ``generate(use_cache=True)``; the
 logits of every decode step equal step 1's full recompute within fp32 tolerance: |diff| <= 1e-5 + 1.3e-6
 |logit| (torch.testing's float32 defaults; the demo's logits reach |12|, where one float32 ulp is 1e-6,
 and the cached path sums in another order than the full one).

@@ -1,6 +1,6 @@
 """Step 3 tests: a request's output does not depend on the batch it runs in.
 
-Parity tiers (GUIDE.md): each request's greedy ids in a batch equal its solo step 2 run and HF
+Parity tiers (README.md, "How correctness is checked"): each request's greedy ids in a batch equal its solo step 2 run and HF
 ``generate`` with left padding and an attention mask; seeded sampling is batch-independent.
 """
 

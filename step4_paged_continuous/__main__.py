@@ -106,7 +106,7 @@ def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
     stats = llm.engine.stats
     print(
         f"[{len(outputs)} requests, up to {llm.engine.scheduler.max_num_seqs} at once: {generated} tokens generated "
-        f"in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); {stats.num_preemptions} preemptions; "
+        f"in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); {stats.num_preemptions} preemption(s); "
         f"KV cache of {stats.kv_blocks_total} blocks x {llm.engine.block_manager.block_size} tokens]",
         file=sys.stderr,
     )

@@ -1,6 +1,6 @@
 """Generation tests, kept in every step from step 1 on: the API, sampling, stopping rules, bad input.
 
-Parity tiers (GUIDE.md): greedy ids equal HF ``generate(do_sample=False)`` on the demo checkpoint; the
+Parity tiers (README.md, "How correctness is checked"): greedy ids equal HF ``generate(do_sample=False)`` on the demo checkpoint; the
 logits used at every step equal step 0's forward pass on the same prefix, within float32 tolerance
 (|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defaults).
 """

@@ -377,4 +377,4 @@ def test_cli_several_prompts(demo_snapshot):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("--- request") == 2
-    assert "preemptions" in result.stderr and "blocks x 4 tokens" in result.stderr
+    assert "preemption(s)" in result.stderr and "blocks x 4 tokens" in result.stderr

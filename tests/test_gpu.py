@@ -1,6 +1,6 @@
 """The engines on a CUDA GPU give the CPU's answers. Skipped without CUDA (CI has none).
 
-fp32 on the GPU: greedy ids identical to the CPU's. fp16 (GUIDE.md's tier): at the first token where the
+fp32 on the GPU: greedy ids identical to the CPU's. fp16 (README.md's tier): at the first token where the
 fp16 run and the fp32 reference differ, each side's token is among the other side's top-5 candidates.
 """
 

@@ -1,4 +1,4 @@
-"""Repo-wide rules of GUIDE.md: the layout, the step rule (engine code imports no other step; what a step
+"""Repo-wide rules of the repository (README.md): the layout, the step rule (engine code imports no other step; what a step
 does not change stays byte-identical), the cross-step chain of greedy outputs, and the README's commands."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_unchanged_files_are_byte_identical(step):
 
 
 def test_greedy_chain_across_steps(demo_snapshot):
-    """Every generating step gives the same greedy ids for the same prompts (GUIDE.md: step N vs N-1)."""
+    """Every generating step gives the same greedy ids for the same prompts (README.md: step N vs N-1)."""
     prompts = ["The Python interpreter", "x", "A list comprehension is a concise way to"]
     results = {}
     for step in GENERATING_STEPS:
