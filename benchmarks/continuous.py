@@ -120,12 +120,14 @@ def run(
         },
         "models": {},
     }
-    for name in models:
-        print(f"== {name}", flush=True)
-        model_started = time.perf_counter()
-        result["models"][name] = bench_model(name, device, runs, mixed, staggered, sweep_workload, max_batch,
-                                              concurrency, block_size, budget_max_num_seqs)
-        result["models"][name]["elapsed_s"] = time.perf_counter() - model_started
+
+    def run(name: str) -> dict:
+        return bench_model(
+            name, device, runs, mixed, staggered, sweep_workload, max_batch, concurrency, block_size,
+            budget_max_num_seqs,
+        )
+
+    harness.run_models(result, models, run)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 

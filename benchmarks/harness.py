@@ -156,6 +156,15 @@ def result_path(name: str, device: str, suffix: str, out_dir: Path = RESULTS) ->
     return Path(out_dir) / f"{name}-{torch.device(device).type}.{suffix}"
 
 
+def run_models(result: dict, models: Sequence[str], bench_model: Callable[[str], dict]) -> None:
+    """Run ``bench_model(name)`` for every model, filing each result (and its duration) under result["models"]."""
+    for name in models:
+        print(f"== {name}", flush=True)
+        model_started = time.perf_counter()
+        result["models"][name] = bench_model(name)
+        result["models"][name]["elapsed_s"] = time.perf_counter() - model_started
+
+
 def finish(
     name: str,
     device: str,

@@ -96,11 +96,13 @@ def run(
         },
         "models": {},
     }
-    for name in models:
-        print(f"== {name}", flush=True)
-        model_started = time.perf_counter()
-        result["models"][name] = bench_model(name, device, runs, gen_lengths, ttft_prompts, step1_limits.get(name, {}))
-        result["models"][name]["elapsed_s"] = time.perf_counter() - model_started
+
+    def run(name: str) -> dict:
+        return bench_model(
+            name, device, runs, gen_lengths, ttft_prompts, step1_limits.get(name, {}),
+        )
+
+    harness.run_models(result, models, run)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 

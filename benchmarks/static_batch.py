@@ -120,12 +120,14 @@ def run(
         },
         "models": {},
     }
-    for name in models:
-        print(f"== {name}", flush=True)
-        model_started = time.perf_counter()
-        result["models"][name] = bench_model(name, device, runs, batch_sizes, equal_prompt_tokens, equal_max_tokens,
-                                              step2_max_requests, mixed, mixed_batch_size)
-        result["models"][name]["elapsed_s"] = time.perf_counter() - model_started
+
+    def run(name: str) -> dict:
+        return bench_model(
+            name, device, runs, batch_sizes, equal_prompt_tokens, equal_max_tokens, step2_max_requests, mixed,
+            mixed_batch_size,
+        )
+
+    harness.run_models(result, models, run)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 

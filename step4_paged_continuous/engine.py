@@ -273,7 +273,7 @@ class LLMEngine:
         self.config = self.model.config
         window = self.config.n_positions
 
-        bytes_per_block = 2 * self.config.n_layer * block_size * self.config.n_embd * self.dtype.itemsize
+        bytes_per_block = PagedKVCache.block_bytes(self.config, block_size, self.dtype)
         if num_kv_blocks is not None and kv_cache_memory is not None:
             raise ValueError("num_kv_blocks, kv_cache_memory: give one of them, not both")
         if kv_cache_memory is not None:

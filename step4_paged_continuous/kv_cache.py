@@ -33,6 +33,7 @@ class PagedKVCache:
         shape = (num_blocks, block_size, config.n_head, config.head_dim)  # [num_blocks, block_size, H, D]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -52,9 +53,14 @@ class PagedKVCache:
         v = self.v[layer][block_tables]  # [S, M, block_size, H, D]
         return k.view(S, M * self.block_size, *k.shape[3:]), v.view(S, M * self.block_size, *v.shape[3:])
 
+    @staticmethod
+    def block_bytes(config: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, K and V: 2 x n_layer x block_size x n_head x head_dim x size."""
+        return 2 * config.n_layer * block_size * config.n_head * config.head_dim * dtype.itemsize
+
     @property
     def bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+        return self.block_bytes(self.config, self.block_size, self.k[0].dtype)
 
     @property
     def nbytes(self) -> int:
