@@ -4,6 +4,8 @@
   transformers, with the demo checkpoint's tokenizer. For logit-level comparisons.
 - ``demo_snapshot``: the bundled, trained demo checkpoint. For greedy token-id comparisons (random
   weights have near-ties that make argmax comparisons flaky).
+- ``padded_vocab_snapshot``: a tiny random GPT-2 whose embedding (8256 rows) is larger than its tokenizer
+  (the demo's 8192 tokens), tilted so that it emits an id the tokenizer lacks.
 - ``gpt2_snapshot``: OpenAI's GPT-2 124M, if a local copy exists (the folder named by the environment
   variable GPT2_SNAPSHOT, or the Hugging Face cache); tests that use it skip otherwise.
 """
@@ -16,6 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # step 5's Triton kernels run through Triton's interpreter on the CPU; the
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # switch is read when triton is first imported (transformers does)
 
 from common.weights import DEMO_CHECKPOINT
 
@@ -44,6 +49,36 @@ def write_random_snapshot(folder: Path, seed: int = 0, **config) -> Path:
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory) -> Path:
     return write_random_snapshot(tmp_path_factory.mktemp("tiny-gpt2"), **TINY_CONFIG)
+
+
+PADDED_VOCAB_SIZE = 8256  # the demo tokenizer's 8192 ids, padded to a multiple of 64
+UNNAMED_TOKEN_ID = 8196  # one of the 64 padding ids: the model can emit it, vocab.json does not name it
+
+
+@pytest.fixture(scope="session")
+def padded_vocab_snapshot(tmp_path_factory) -> Path:
+    """A tiny GPT-2 whose embedding is larger than its tokenizer, as checkpoints trained with embeddings
+    padded to a multiple of 64 are: vocab_size=8256 over the demo's 8192-token vocab.json. Its final
+    LayerNorm's bias points at the embedding row of ``UNNAMED_TOKEN_ID``, so that decoding emits that id
+    (greedy: always; sampled at temperature 1: almost always). Weights otherwise random, HF layout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("padded-vocab-gpt2")
+    torch.manual_seed(0)
+    eos = 8191
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=PADDED_VOCAB_SIZE, bos_token_id=eos, eos_token_id=eos, **TINY_CONFIG))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+        direction = torch.nn.functional.normalize(torch.randn(TINY_CONFIG["n_embd"]), dim=0)
+        model.transformer.ln_f.bias.copy_(5.0 * direction)
+        model.transformer.wte.weight[UNNAMED_TOKEN_ID] = 5.0 * direction  # its logit: about 25, the others' about 0 +- 1
+    model.save_pretrained(folder)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(DEMO_CHECKPOINT / name, folder / name)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")

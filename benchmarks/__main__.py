@@ -1,8 +1,9 @@
 """python -m benchmarks <name>: run one benchmark, write benchmarks/results/<name>-<device>.json and .png.
 
-A benchmark is a module of this package with ``DEFAULT_MODELS`` and
-``main(models, device, runs, quick) -> dict``, and optionally ``DEFAULT_RUNS`` (else 5); adding one is
-adding its module and a line to ``BENCHMARKS``.
+A benchmark is a module of this package with ``NAME``, ``DEFAULT_MODELS``,
+``main(models, device, runs, quick) -> dict``, ``plot(result, path)`` and ``report(result)`` (for
+``--replot``), and optionally ``DEFAULT_RUNS`` (else 5); adding one is adding its module and a line to
+``BENCHMARKS``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from . import harness
 from .models import MODELS
 
 # name -> (module, what it measures in one line). Modules are imported only when run, so --help is fast.
@@ -18,6 +20,7 @@ BENCHMARKS = {
     "kvcache": ("benchmarks.kvcache", "step2's KV cache vs step1 and HF: ms/token vs length, TTFT, KV bytes/token"),
     "static_batch": ("benchmarks.static_batch", "step3's static batching vs step2 and HF batched: tok/s vs batch, mixed"),
     "continuous": ("benchmarks.continuous", "step4's continuous batching + paged KV vs step3 and HF: latency, memory"),
+    "gpu": ("benchmarks.gpu", "steps 2-5 vs HF generate on a GPU: ms/token at B=1, tok/s vs B, fp16/fp32, profile"),
 }
 
 
@@ -37,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=None,
                         help="measured runs per point, after a warm-up (default: the benchmark's own, 5 or 3)")
     parser.add_argument("--quick", action="store_true", help="1 run and shorter lengths: checks that it works")
+    parser.add_argument("--replot", action="store_true",
+                        help="measure nothing: draw the PNG again from the recorded JSON (of --quick with --quick) "
+                        "and print its table")
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -48,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(BENCHMARKS[args.name][0])
     runs = args.runs if args.runs is not None else getattr(module, "DEFAULT_RUNS", 5)
     try:
+        if args.replot:
+            harness.replot(module.NAME, args.device, module.plot, module.report, quick=args.quick)
+            return 0
         module.main(models=args.models, device=args.device, runs=runs, quick=args.quick)
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -30,10 +30,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from . import harness, serving, workloads
-from .models import snapshot
+from .models import hf_model, snapshot
 
 NAME = "continuous"
 DEFAULT_MODELS = ["gpt2-124m-random"]
@@ -136,14 +134,11 @@ def bench_model(name: str, device: str, runs: int, mixed: dict, staggered: dict,
     """Every workload on one model: every run's figures, their medians and the ratios."""
     import step3_static_batch
     import step4_paged_continuous
-    from transformers import GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     folder = snapshot(name)
     step3 = step3_static_batch.LLM(model=str(folder), device=device, dtype="float32",
                                    max_batch_size=max([max_batch, *concurrency]))
-    hf = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    hf = hf_model(folder, device)
     config = step3.config
     reqs = {role: workloads.requests(w, config.vocab_size, config.n_positions)
             for role, w in (("mixed", mixed), ("staggered", staggered))}
@@ -250,18 +245,22 @@ def kv_memory(mixed_point: dict, config, block_size: int) -> dict:
     }
 
 
-def targets(model: dict) -> list[tuple]:
-    """The step's performance targets on one model's results: (label, figure, target[, unit])."""
+def targets(model: dict, workload: dict) -> list[dict]:
+    """The step's performance targets on one model's results: ``harness.target_line``'s arguments (label,
+    value, target, unit, full_size: whether the workload the target is defined at ran)."""
     mx, last = model["mixed"], model["concurrency"][-1]
+    full_mixed = "derived" not in workload["mixed"]["workload"]  # not shortened (--quick)
+    n = len(last["runs"]["step4"][0]["requests"])
     return [
-        (f"step4 / step3 throughput, mixed at max batch {mx['max_batch']}", mx["ratios"]["step4/step3"]["median"],
-         ">= 1.5"),
-        (f"step3 / step4 mean latency, mixed at max batch {mx['max_batch']}", mx["ratios"]["step3/step4 latency"]["median"],
-         ">= 1.5"),
-        (f"step4 / HF sequential throughput, {len(model['concurrency'][-1]['runs']['step4'][0]['requests'])} "
-         f"requests at concurrency {last['max_batch']}", last["ratios"]["step4/hf"]["median"], ">= 3"),
-        ("step4 KV waste per sequence, max over steps, mixed", model["kv_memory"]["step4"]["waste_max_blocks"], "< 1",
-         " blocks"),
+        {"label": f"step4 / step3 throughput, mixed at max batch {mx['max_batch']}", "target": ">= 1.5",
+         "value": mx["ratios"]["step4/step3"]["median"], "full_size": full_mixed and mx["max_batch"] == MAX_BATCH},
+        {"label": f"step3 / step4 mean latency, mixed at max batch {mx['max_batch']}", "target": ">= 1.5",
+         "value": mx["ratios"]["step3/step4 latency"]["median"], "full_size": full_mixed and mx["max_batch"] == MAX_BATCH},
+        {"label": f"step4 / HF sequential throughput, {n} requests at concurrency {last['max_batch']}",
+         "target": ">= 3", "value": last["ratios"]["step4/hf"]["median"],
+         "full_size": full_mixed and (n, last["max_batch"]) == (CONCURRENCY_REQUESTS, CONCURRENCY[-1])},
+        {"label": "step4 KV waste per sequence, max over steps, mixed", "target": "< 1", "unit": " blocks",
+         "value": model["kv_memory"]["step4"]["waste_max_blocks"], "full_size": full_mixed},
     ]
 
 
@@ -321,7 +320,7 @@ def report(result: dict) -> str:
         lines.append(f"\nc./d. throughput (tok/s) against the concurrency, the first {n} mixed requests at time 0")
         lines.append(harness.table(["max batch", "step3", "step4", "step4/step3", "HF sequential", "step4/HF"], rows))
         lines.append("\ntargets")
-        lines.extend(harness.target_line(*t) for t in targets(model))
+        lines.extend(harness.target_line(**t) for t in targets(model, w))
     return "\n".join(lines)
 
 
@@ -367,9 +366,8 @@ def plot(result: dict, path: Path) -> Path:
                    color=colors[engine])
         ax.set_xticks(range(len(groups)), [g[2] for g in groups], fontsize=8)
         mb = model["mixed"]["max_batch"]
-        tput = {w: model[w]["ratios"]["step4/step3"]["median"] for w in ("mixed", "staggered")}
         ax.set(ylabel="seconds from the request's arrival", title=f"{name}: latency at max batch {mb}\n"
-               f"(step4/step3 tok/s: mixed {tput['mixed']:.2f}x, staggered {tput['staggered']:.2f}x)")
+               "(mixed: all at time 0; staggered: arriving over time)")
         ax.legend(fontsize=9)
         # KV memory
         ax = fig.add_subplot(grid[2 * i, 4:6])
@@ -406,8 +404,12 @@ def plot(result: dict, path: Path) -> Path:
                plt.Line2D([], [], color="k", marker="|", linestyle="", markersize=10, label="first token")]
     fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=10, frameon=False)
     machine = result["machine"]
+    headline = "; ".join(
+        f"{name}: step4/step3 throughput at max batch {model['mixed']['max_batch']}: "
+        + ", ".join(f"{w} {model[w]['ratios']['step4/step3']['median']:.2f}x" for w in ("mixed", "staggered"))
+        for name, model in models.items())
     fig.suptitle(f"Continuous batching benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} "
-                 f"threads), {machine['dtype']}, median of {result['workload']['runs']} run(s)")
+                 f"threads), {machine['dtype']}, median of {result['workload']['runs']} run(s)\n{headline}")
     fig.tight_layout(rect=(0, 0.03 / len(models), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -432,8 +434,7 @@ def schedule(ax, run: dict, color: str, static: bool) -> None:
             for r in members:
                 ax.barh(row[r["index"]], batch["end_s"] - r["finished_s"], left=r["finished_s"], height=0.8,
                         facecolor="none", edgecolor="C3", hatch="///", linewidth=0)
-            pad = sum(r["padding_tokens"] for r in members)
-            wasted = sum(r["wasted_tokens"] for r in members)
+            pad, wasted = serving.batch_waste(run, batch)
             useful = sum(r["prompt_tokens"] + r["generated_tokens"] for r in members)
             ys = [row[i] for i in batch["requests"]]
             ax.axvline(batch["end_s"], color="0.5", linewidth=0.8, linestyle=":")

@@ -30,7 +30,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def machine_info(device: str, dtype: str) -> dict:
     """The machine and software a result was measured on: CPU model, cores, torch threads, GPU name,
-    platform, Python / torch / transformers versions, git commit, dtype, date (UTC, ISO 8601)."""
+    platform, Python / torch / transformers versions, git commit, dtype, date (UTC, ISO 8601); on a GPU
+    also the CUDA version torch was built with, the GPU's memory (bytes) and multiprocessors."""
     import transformers
 
     info = {
@@ -48,6 +49,10 @@ def machine_info(device: str, dtype: str) -> dict:
         "dtype": dtype,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info |= {"cuda": torch.version.cuda, "gpu_memory_bytes": props.total_memory,
+                 "gpu_multiprocessors": props.multi_processor_count}
     return info
 
 
@@ -84,6 +89,18 @@ def timed(fn: Callable[[], object], device: str | torch.device = "cpu") -> tuple
     result = fn()
     synchronize(device)
     return time.perf_counter() - start, result
+
+
+def copy_bandwidth(device: str | torch.device, nbytes: int = 2**28, repeats: int = 10) -> float:
+    """The device's memory bandwidth as a copy sees it, bytes per second counting bytes read and written:
+    ``repeats`` copies of an ``nbytes`` buffer (256 MiB: far more than any cache) into another, after one
+    untimed copy. The ceiling for memory-bound work: bytes it must move / this = the least time it takes
+    (4.06e12 measured on the H200 here)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds, _ = timed(lambda: [dst.copy_(src) for _ in range(repeats)], device)
+    return 2 * nbytes * repeats / seconds
 
 
 def alternate(
@@ -190,6 +207,28 @@ def finish(
     return result
 
 
+def replot(
+    name: str,
+    device: str,
+    plot: Callable[[dict, Path], Path],
+    report: Callable[[dict], str],
+    quick: bool = False,
+    out_dir: Path = RESULTS,
+) -> dict:
+    """Draw the PNG again from a benchmark's recorded JSON (``python -m benchmarks <name> --replot``), and
+    print its table: for a change to the plot or the report, without measuring again. The JSON is left
+    as it is. Raises ValueError if there is no recorded result."""
+    out_dir = out_dir / "quick" if quick else out_dir
+    json_path = result_path(name, device, "json", out_dir)
+    if not json_path.is_file():
+        raise ValueError(f"no recorded result to plot: {json_path} does not exist (run the benchmark first)")
+    result = json.loads(json_path.read_text(encoding="utf-8"))
+    png_path = plot(result, result_path(name, device, "png", out_dir))
+    print(report(result))
+    print(f"\nwrote {png_path} from {json_path}")
+    return result
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     """A plain-text table, right-aligned columns; None shows as "-", floats with 3 significant digits."""
     def cell(v) -> str:
@@ -206,11 +245,33 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def target_line(label: str, value: float | None, target: str, unit: str = "x") -> str:
+def target_line(label: str, value: float | None, target: str, unit: str = "x", full_size: bool = True) -> str:
     """One line for a performance target such as ``">= 4"`` (also ``<=``, ``<``, ``>``): the figure, the
-    target, met or MISSED. ``unit`` follows the numbers: "x" for a ratio, or e.g. " blocks"."""
+    target, met or MISSED. ``unit`` follows the numbers: "x" for a ratio, or e.g. " blocks".
+
+    full_size: False when the workload point that the target is defined at did not run (``--quick``, a
+    smaller sweep): the figure is shown at the size that ran, neither met nor MISSED but "not measured at
+    full size", since a target says nothing about a smaller workload."""
     op, bound = target.split()
     compare = {">=": float.__ge__, "<=": float.__le__, ">": float.__gt__, "<": float.__lt__}[op]
     met = value is not None and compare(float(value), float(bound))
     shown = "n/a" if value is None else f"{value:.2f}{unit}"
-    return f"{'met   ' if met else 'MISSED'}  {label}: {shown} (target {target}{unit})"
+    verdict = ("met   " if met else "MISSED") if full_size else "-     "
+    line = f"{verdict}  {label}: {shown} (target {target}{unit})"
+    return line if full_size else f"{line}: not measured at full size"
+
+
+def log_axis(axis, values: Sequence[float] | None = None) -> None:
+    """Readable ticks on a log-scaled matplotlib axis (``ax.xaxis`` or ``ax.yaxis``): labelled ticks at 1, 2
+    and 5 x 10^k, written as plain numbers (0.5, 20, 5000, 20k, 1M), unlabelled minor ticks between. Given the
+    plotted ``values`` and less than a decade of range, also 3 and 7 x 10^k, so that at least three
+    ticks carry a label."""
+    from matplotlib import ticker
+
+    narrow = values is not None and max(values) / min(values) < 10
+    subs = (1.0, 2.0, 3.0, 5.0, 7.0) if narrow else (1.0, 2.0, 5.0)
+    axis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(ticker.FuncFormatter(
+        lambda v, _: f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k" if v >= 1e4 else f"{v:g}"))
+    axis.set_minor_locator(ticker.LogLocator(base=10, subs=[s for s in range(2, 10) if s not in subs]))
+    axis.set_minor_formatter(ticker.NullFormatter())

@@ -44,6 +44,17 @@ def snapshot(name: str) -> Path:
     return resolve_model(name)
 
 
+def hf_model(folder: Path, device: str = "cpu", dtype: str = "float32"):
+    """Hugging Face's ``GPT2LMHeadModel`` loaded from a snapshot folder in ``dtype`` ("float32", "float16",
+    "bfloat16") on ``device``, in eval mode, without the loading progress bar: the benchmarks' outside
+    baseline."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+
+
 def cached_random_snapshot(name: str, seed: int = 0, **config) -> Path:
     """``benchmarks/.cache/<name>``: a random GPT-2 written by ``write_random_snapshot``, kept between runs.
 

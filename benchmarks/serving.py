@@ -7,13 +7,16 @@ times in seconds since the start of the run (``time.perf_counter``):
 
     index, prompt_tokens, generated_tokens, arrival_s, started_s (its batch or first step began),
     first_token_s (None where the engine does not say: HF generate), finished_s,
-    padding_tokens, wasted_tokens (positions computed for the request that serve nothing)
+    padding_tokens, wasted_tokens (positions computed for the request that serve nothing; None for step 3,
+    whose engine counts them per batch: its batches carry them)
 
 ``summarise`` turns the records into the figures of one run: throughput (generated tokens per second of
 the whole run), mean and p95 latency and p50/p95 time to first token, both counted from each request's
 own arrival, and the ratio of computed token positions to requested ones:
 
     requested = prompt + generated,   computed = prompt + generated + padding + wasted (+ recomputed)
+
+(padding and wasted summed over the requests, or over step 3's batches.)
 
 For step 2 and step 4 (no padding, no finished rows) the ratio is 1; step 4 adds the positions it
 prefilled again after a preemption. For an HF batch every row computes the longest prompt plus the
@@ -47,7 +50,7 @@ def _wait_until(t0: float, arrival_s: float) -> None:
 
 
 def _record(r: Request, started_s: float, first_token_s: float | None, finished_s: float, generated: int,
-            padding: int = 0, wasted: int = 0) -> dict:
+            padding: int | None = 0, wasted: int | None = 0) -> dict:
     return {"index": r.index, "prompt_tokens": r.prompt_tokens, "generated_tokens": generated,
             "arrival_s": r.arrival_s, "started_s": started_s, "first_token_s": first_token_s,
             "finished_s": finished_s, "padding_tokens": padding, "wasted_tokens": wasted}
@@ -69,7 +72,8 @@ def run_step2(llm, module, requests: list[Request], device: str = "cpu") -> dict
         m = out.metrics
         # the request starts when the previous one has finished (or at 0): its prefill begins then
         started = records[-1]["finished_s"] if records else 0.0
-        records.append(_record(r, started, m.token_times[0] - t0, m.finished_time - t0, len(out.token_ids)))
+        records.append(_record(r, started, m.token_times[0] - t0, m.finished_time - t0,
+                               len(out.outputs[0].token_ids)))
     return {"wall_s": wall, "requests": records}
 
 
@@ -78,14 +82,17 @@ def run_step3(llm, module, requests: list[Request], batch_size: int, device: str
     ``batch_size`` requests in arrival order, each formed from the requests that have arrived when the
     previous batch ends (one ``generate`` call per batch: one static batch).
 
-    Returns {"wall_s", "requests": [records], "batches": [{"start_s", "end_s", "requests" (indices),
-    "capacity" (tokens per row), "kv_bytes" (its KVCache's nbytes), "tokens_stored" (real tokens in the
-    cache when it ends: prompt + generated - 1 per row, no padding)}], "kv_peak_bytes" (the largest
-    batch's reservation: one batch runs at a time), "kv_peak_tokens_stored", "kv_waste_mean_slots" and
-    "kv_waste_max_slots" (per row: capacity - the real tokens it stored)}.
+    Returns {"wall_s", "requests": [records (padding and wasted None)], "batches": [{"start_s", "end_s",
+    "requests" (indices), "capacity" (tokens per row), "kv_bytes" (its KVCache's nbytes), "tokens_stored"
+    (real tokens in the cache when it ends: prompt + generated - 1 per row, no padding), "padding_tokens",
+    "wasted_tokens" (the engine's counters, ``num_padding_tokens`` and ``num_wasted_tokens``, over the
+    batch)}], "kv_peak_bytes" (the largest batch's reservation: one batch runs at a time),
+    "kv_peak_tokens_stored", "kv_waste_mean_slots" and "kv_waste_max_slots" (per row: capacity - the real
+    tokens it stored)}.
     """
-    if llm.max_batch_size < batch_size:
-        raise ValueError(f"batch_size={batch_size} > the engine's max_batch_size={llm.max_batch_size}")
+    engine = llm.engine
+    if engine.max_batch_size < batch_size:
+        raise ValueError(f"batch_size={batch_size} > the engine's max_batch_size={engine.max_batch_size}")
     window = llm.config.n_positions
     pending = sorted(requests, key=lambda r: r.arrival_s)
     records, batches = [], []
@@ -96,22 +103,25 @@ def run_step3(llm, module, requests: list[Request], batch_size: int, device: str
         now = time.perf_counter() - t0
         batch = [r for r in pending[:batch_size] if r.arrival_s <= now]
         pending = pending[len(batch):]
+        padding, wasted = engine.num_padding_tokens, engine.num_wasted_tokens  # running totals
         start = time.perf_counter() - t0
         outs = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in batch],
                             sampling_params=[params_for(module, r) for r in batch])
         harness.synchronize(device)
         end = time.perf_counter() - t0
-        for r, out in zip(batch, outs):
+        generated = [len(out.outputs[0].token_ids) for out in outs]
+        for r, out, n in zip(batch, outs, generated):
             m = out.metrics
-            records.append(_record(r, start, m.token_times[0] - t0, m.finished_time - t0, len(out.token_ids),
-                                   m.padding_tokens, m.wasted_tokens))
+            records.append(_record(r, start, m.token_times[0] - t0, m.finished_time - t0, n, None, None))
         # the engine's reservation: every row holds the longest prompt + the largest generation budget
         longest = max(r.prompt_tokens for r in batch)
         capacity = longest + max(min(window, r.prompt_tokens + r.max_tokens) - r.prompt_tokens for r in batch)
-        kv = module.KVCache(llm.config, capacity, "meta", llm.dtype, batch_size=len(batch))  # sizes only
+        kv = module.kv_cache.KVCache(llm.config, capacity, "meta", engine.dtype, batch_size=len(batch))  # sizes only
         batches.append({"start_s": start, "end_s": end, "requests": [r.index for r in batch], "capacity": capacity,
                         "kv_bytes": kv.nbytes,
-                        "tokens_stored": sum(r.prompt_tokens + len(o.token_ids) - 1 for r, o in zip(batch, outs))})
+                        "tokens_stored": sum(r.prompt_tokens + n - 1 for r, n in zip(batch, generated)),
+                        "padding_tokens": engine.num_padding_tokens - padding,
+                        "wasted_tokens": engine.num_wasted_tokens - wasted})
     # a row's waste: the slots it reserved (capacity) minus the real tokens it stored by the batch's end
     stored = {rec["index"]: rec["prompt_tokens"] + rec["generated_tokens"] - 1 for rec in records}
     waste = [b["capacity"] - stored[i] for b in batches for i in b["requests"]]
@@ -172,7 +182,7 @@ def run_step4(engine, module, requests: list[Request], device: str = "cpu") -> d
             started.setdefault(out.request_id, step_start)
             if out.finished:
                 outputs[out.request_id] = out
-                stored = len(out.prompt_token_ids) + len(out.token_ids) - 1
+                stored = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
                 held[out.request_id] = (blocks.blocks_for(stored), stored)
         peak_blocks = max(peak_blocks, sum(b for b, _ in held.values()))
         peak_tokens = max(peak_tokens, sum(t for _, t in held.values()))
@@ -186,10 +196,11 @@ def run_step4(engine, module, requests: list[Request], device: str = "cpu") -> d
     for request_id, r in by_id.items():
         out = outputs[request_id]
         m = out.metrics
+        # continuous batching: no padding, and a finished request leaves the batch at once (no waste)
         records.append(_record(r, started[request_id], m.token_times[0] - t0, m.finished_time - t0,
-                               len(out.token_ids), m.padding_tokens, m.wasted_tokens))
+                               len(out.outputs[0].token_ids)))
     records.sort(key=lambda rec: rec["index"])
-    bytes_per_block = engine.kv_cache.bytes_per_block
+    bytes_per_block = module.PagedKVCache.block_bytes(engine.config, bs, engine.dtype)
     return {
         "wall_s": wall,
         "requests": records,
@@ -254,7 +265,9 @@ def summarise(run: dict) -> dict:
     recs = run["requests"]
     generated = sum(r["generated_tokens"] for r in recs)
     requested = sum(r["prompt_tokens"] + r["generated_tokens"] for r in recs)
-    computed = requested + sum(r["padding_tokens"] + r["wasted_tokens"] for r in recs)
+    unused = [r["padding_tokens"] + r["wasted_tokens"] for r in recs if r["padding_tokens"] is not None]
+    unused += [b["padding_tokens"] + b["wasted_tokens"] for b in run.get("batches", [])]  # step 3: per batch
+    computed = requested + sum(unused)
     if "batched_tokens" in run:  # step 4: what its forward passes took, beyond the work asked for
         computed += max(0, run["batched_tokens"] - (requested - len(recs)))
     latencies = [r["finished_s"] - r["arrival_s"] for r in recs]
@@ -275,6 +288,15 @@ def summarise(run: dict) -> dict:
     }
     extras = {k: v for k, v in run.items() if k not in figures}
     return {**figures, **extras}
+
+
+def batch_waste(run: dict, batch: dict) -> tuple[int, int]:
+    """(padding, wasted) positions of one of step 3's static batches, as its engine counted them. Results
+    recorded before the engine counted per batch carry them on the batch's request records instead."""
+    if "padding_tokens" in batch:
+        return batch["padding_tokens"], batch["wasted_tokens"]
+    members = [r for r in run["requests"] if r["index"] in batch["requests"]]
+    return sum(r["padding_tokens"] for r in members), sum(r["wasted_tokens"] for r in members)
 
 
 def compare(raw: dict[str, list[dict]], ratios: dict[str, tuple[str, str, str]], keep_records: bool = True) -> dict:

@@ -26,10 +26,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from . import harness, serving, workloads
-from .models import snapshot
+from .models import hf_model, snapshot
 
 NAME = "static_batch"
 DEFAULT_MODELS = ["gpt2-124m-random"]
@@ -61,16 +59,6 @@ def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAU
         return run(models or DEFAULT_MODELS, device, runs=1, batch_sizes=QUICK["batch_sizes"],
                    equal_max_tokens=QUICK["equal_max_tokens"], mixed=mixed, quick=True)
     return run(models or DEFAULT_MODELS, device, runs=runs)
-
-
-def equal_workload(batch_size: int, prompt_tokens: int, max_tokens: int) -> dict:
-    """``batch_size`` requests of one length, all at time 0, in the layout of ``benchmarks/workloads``."""
-    return {
-        "name": f"equal-{batch_size}",
-        "token_id_seed": EQUAL_TOKEN_ID_SEED,
-        "requests": [{"index": i, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "arrival_s": 0.0}
-                     for i in range(batch_size)],
-    }
 
 
 def run(
@@ -136,15 +124,12 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], equal
     """Both workloads on one model: every run's figures, their medians and the ratios."""
     import step2_kvcache
     import step3_static_batch
-    from transformers import GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     folder = snapshot(name)
     step2 = step2_kvcache.LLM(model=str(folder), device=device, dtype="float32")
     step3 = step3_static_batch.LLM(model=str(folder), device=device, dtype="float32",
                                    max_batch_size=max(batch_sizes + [mixed_batch_size]))
-    hf = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    hf = hf_model(folder, device)
     config = step3.config
 
     def engines(reqs: list[workloads.Request], batch_size: int, step2_reqs: list[workloads.Request]) -> dict:
@@ -164,8 +149,8 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], equal
     sweep = []
     for b in batch_sizes:
         print(f"  {b} equal requests ({equal_prompt_tokens} + {equal_max_tokens} tokens)", flush=True)
-        reqs = workloads.requests(equal_workload(b, equal_prompt_tokens, equal_max_tokens), config.vocab_size,
-                                  config.n_positions)
+        equal = workloads.equal(b, equal_prompt_tokens, equal_max_tokens, EQUAL_TOKEN_ID_SEED)
+        reqs = workloads.requests(equal, config.vocab_size, config.n_positions)
         step2_reqs = reqs[:step2_max_requests]
         warm = serving.warmup_requests(reqs, max_tokens=WARMUP_TOKENS)
         serving.warm_up(engines(warm, b, warm[:step2_max_requests]))
@@ -194,14 +179,20 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], equal
     }
 
 
-def targets(model: dict) -> list[tuple[str, float | None, str]]:
-    """The step's performance targets on one model's results: (label, figure, target)."""
+def targets(model: dict, workload: dict) -> list[dict]:
+    """The step's performance targets on one model's results: ``harness.target_line``'s arguments (label,
+    value, target, full_size: whether the workload the target is defined at ran)."""
     sweep = {p["batch_size"]: p for p in model["equal_length"]}
     b = 8 if 8 in sweep else max(sweep)
+    eq = workload["equal_length"]
+    mixed = model["mixed"]
     return [
-        (f"step3 / step2 throughput, {b} equal-length requests", sweep[b]["ratios"]["step3/step2"]["median"], ">= 3"),
-        (f"step3 / HF batched throughput, mixed workload at batch {model['mixed']['batch_size']}",
-         model["mixed"]["ratios"]["step3/hf"]["median"], ">= 1.0"),
+        {"label": f"step3 / step2 throughput, {b} equal-length requests", "target": ">= 3",
+         "value": sweep[b]["ratios"]["step3/step2"]["median"],
+         "full_size": b == 8 and (eq["prompt_tokens"], eq["max_tokens"]) == (EQUAL_PROMPT_TOKENS, EQUAL_MAX_TOKENS)},
+        {"label": f"step3 / HF batched throughput, mixed workload at batch {mixed['batch_size']}", "target": ">= 1.0",
+         "value": mixed["ratios"]["step3/hf"]["median"],
+         "full_size": mixed["batch_size"] == MIXED_BATCH_SIZE and "derived" not in workload["mixed"]["workload"]},
     ]
 
 
@@ -240,7 +231,7 @@ def report(result: dict) -> str:
                      f"mean latency step2/step3 {r['step2/step3 latency']['median']:.2f}x, "
                      f"HF/step3 {r['hf/step3 latency']['median']:.2f}x")
         lines.append("\ntargets")
-        lines.extend(harness.target_line(*t) for t in targets(model))
+        lines.extend(harness.target_line(**t) for t in targets(model, w))
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ teach. A *model spec* is one of:
   (``"gpt2"``, ``"gpt2-medium"``, ``"gpt2-large"``, ``"gpt2-xl"``, ``"distilgpt2"``), fetched once through
   ``huggingface_hub`` into its usual cache (only the files listed in ``SNAPSHOT_FILES``);
 - a local folder laid out like a Hub snapshot: ``config.json``, ``model.safetensors`` (or shards plus
-  ``model.safetensors.index.json``), ``vocab.json`` and ``merges.txt``.
+  ``model.safetensors.index.json``), ``vocab.json`` and ``merges.txt`` (and, if the tokenizer adds tokens,
+  ``tokenizer_config.json``, ``added_tokens.json`` or ``special_tokens_map.json``).
 
 The mapping from Hugging Face tensor names to a step's own modules is not done here: each step's
 ``model.py`` does it, so that a reader sees it.
@@ -37,7 +38,8 @@ MODEL_ALIASES = {
 }
 
 # The only files an inference engine needs; the Hub repos also hold TF, Flax, ONNX and PyTorch-pickle copies
-# (some in sub-folders, which these top-level names do not match).
+# (some in sub-folders, which these top-level names do not match). The last three, where a model has them,
+# add tokens to vocab.json (see common.tokenizer.read_added_tokens).
 SNAPSHOT_FILES = [
     "config.json",
     "model.safetensors",
@@ -45,6 +47,9 @@ SNAPSHOT_FILES = [
     "model.safetensors.index.json",
     "vocab.json",
     "merges.txt",
+    "tokenizer_config.json",
+    "added_tokens.json",
+    "special_tokens_map.json",
 ]
 HUB_TIMEOUT_S = 5.0
 

@@ -20,13 +20,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m step0_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m step0_model", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("prompt", help="the text whose next token is predicted")
-    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder")
+    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder")
     parser.add_argument("--top", type=int, default=10, help="how many of the most likely next tokens to print")
     parser.add_argument("--check", action="store_true", help="compare all logits with Hugging Face GPT2LMHeadModel")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     return parser.parse_args(argv)
 
 
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
+        if max(ids) >= model.config.vocab_size:  # a tokenizer may name more tokens than the model embeds
+            raise ValueError(f"prompt: token id {max(ids)} is outside the model's vocabulary of {model.config.vocab_size}")
         if len(ids) > model.config.n_positions:
             raise ValueError(f"prompt: {len(ids)} tokens, more than the context window of {model.config.n_positions}")
         if args.top < 1:
@@ -72,4 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
+        print(file=sys.stderr)
+        sys.exit(130)

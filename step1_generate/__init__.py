@@ -1,6 +1,17 @@
 """Step 1: text generation by re-running the whole sequence for every new token (no cache)."""
 
-from .engine import LLM, RequestMetrics, RequestOutput
-from .sampling import SamplingParams
+from .engine import LLMEngine
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
-__all__ = ["LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LLMEngine",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]

@@ -7,7 +7,6 @@ logits used at every step equal step 0's forward pass on the same prefix, within
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -17,9 +16,11 @@ from transformers import GPT2LMHeadModel
 
 from step0_model import GPT as Step0GPT
 
-from . import engine
-from .engine import LLM
-from .sampling import SamplingParams, apply_repetition_penalty, sample
+from . import model_runner
+from .engine import LLMEngine
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams, sample
+from .sequence import CompletionOutput, RequestOutput
 
 PROMPTS = [
     "The Python interpreter",
@@ -60,8 +61,8 @@ def test_greedy_ids_equal_hf_generate(llm, hf_demo):
     outputs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outputs):
         expected = hf_greedy(hf_demo, llm.tokenizer.encode(prompt), GREEDY.max_tokens, llm.tokenizer.eos_token_id)
-        assert out.token_ids == expected, prompt
-        assert out.text == llm.tokenizer.decode([t for t in out.token_ids if t != llm.tokenizer.eos_token_id])
+        assert out.outputs[0].token_ids == expected, prompt
+        assert out.outputs[0].text == llm.tokenizer.decode([t for t in out.outputs[0].token_ids if t != llm.tokenizer.eos_token_id])
 
 
 @pytest.mark.slow
@@ -69,21 +70,22 @@ def test_greedy_ids_equal_hf_near_the_context_window(llm, hf_demo):
     """A prompt of 480 tokens: generation runs into the 512-token window and stops with "length"."""
     ids = (llm.tokenizer.encode(PROMPTS[-1]) * 20)[:480]
     out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 512 - 480 and out.finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 512 - 480 and out.outputs[0].finish_reason == "length"
     with torch.inference_mode():
         full = hf_demo.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
-    assert out.token_ids == full[0, 480:].tolist()
+    assert out.outputs[0].token_ids == full[0, 480:].tolist()
 
 
 def test_step_logits_equal_step0_forward(llm, demo_snapshot, monkeypatch):
     """Every logits row that reaches the sampler equals step 0's forward pass over the same prefix."""
     seen = []
 
-    def recording_sample(logits, params, generator, token_ids):
-        seen.append((logits.clone(), list(token_ids)))
-        return sample(logits, params, generator, token_ids)
+    def recording_sample(logits, params, generators, prompt_token_ids, output_token_ids):
+        for row, prompt, output in zip(logits, prompt_token_ids, output_token_ids):
+            seen.append((row.clone(), prompt + output))
+        return sample(logits, params, generators, prompt_token_ids, output_token_ids)
 
-    monkeypatch.setattr(engine, "sample", recording_sample)
+    monkeypatch.setattr(model_runner, "sample", recording_sample)
     llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.9, seed=0))
     step0 = Step0GPT.from_pretrained(str(demo_snapshot))
     assert len(seen) == 12
@@ -98,8 +100,8 @@ def test_same_seed_same_text_and_other_seed_differs(llm):
     a = llm.generate(PROMPTS[0], SamplingParams(seed=7, **params))[0]
     b = llm.generate(PROMPTS[0], SamplingParams(seed=7, **params))[0]
     c = llm.generate(PROMPTS[0], SamplingParams(seed=8, **params))[0]
-    assert a.token_ids == b.token_ids and a.text == b.text
-    assert a.token_ids != c.token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].text == b.outputs[0].text
+    assert a.outputs[0].token_ids != c.outputs[0].token_ids
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(llm):
@@ -107,63 +109,14 @@ def test_top_k_1_and_tiny_top_p_are_greedy(llm):
     top_k_1 = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=1.5, top_k=1, seed=1))
     tiny_top_p = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=1.5, top_p=1e-6, seed=2))
     for g, k, p in zip(greedy, top_k_1, tiny_top_p):
-        assert g.token_ids == k.token_ids == p.token_ids
-
-
-def draw(probs: list[float], params: SamplingParams, n: int = 20000) -> list[float]:
-    logits = torch.log(torch.tensor(probs))
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([sample(logits, params, gen, []) for _ in range(n)]), minlength=len(probs))
-    return (counts.float() / n).tolist()
-
-
-def chi_square_ok(observed: list[float], expected: list[float], n: int = 20000) -> bool:
-    """Pearson's test at the 0.1% level for the cells with expected > 0 (critical values of chi2)."""
-    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
-    if len(cells) == 1:  # one possible outcome: every draw must be it
-        return observed == expected
-    stat = sum(n * (o - e) ** 2 / e for o, e in cells)
-    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[len(cells) - 1]
-    return stat < critical and all(o == 0 for o, e in zip(observed, expected) if e == 0)
-
-
-P = [0.5, 0.3, 0.15, 0.05]
-
-
-@pytest.mark.parametrize(
-    "params, expected",
-    [
-        (SamplingParams(temperature=1.0), P),
-        (SamplingParams(temperature=2.0), [math.sqrt(p) / sum(map(math.sqrt, P)) for p in P]),
-        (SamplingParams(temperature=1.0, top_k=2), [0.625, 0.375, 0, 0]),
-        (SamplingParams(temperature=1.0, top_p=0.6), [0.625, 0.375, 0, 0]),  # 0.5 < 0.6: the 0.3 crosses, kept
-        (SamplingParams(temperature=1.0, top_p=0.5), [1, 0, 0, 0]),
-        (SamplingParams(temperature=1.0, min_p=0.3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),  # >= 0.15
-    ],
-)
-def test_sampling_frequencies_match_the_distribution(params, expected):
-    observed = draw(P, params)
-    assert chi_square_ok(observed, expected), (observed, expected)
-
-
-def test_chi_square_check_can_fail():
-    """The statistical bound is tight enough to catch a sampler that ignores the temperature."""
-    assert not chi_square_ok(draw(P, SamplingParams(temperature=1.0)), [math.sqrt(p) / sum(map(math.sqrt, P)) for p in P])
-
-
-def test_repetition_penalty_follows_ctrl():
-    logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
-    out = apply_repetition_penalty(logits.clone(), [0, 1, 1], 2.0)
-    assert out.tolist() == [1.0, -4.0, 1.0, -1.0]
-    # greedy with a strong penalty never repeats a token of the prompt
-    assert sample(torch.tensor([5.0, 4.0, 0.0]), SamplingParams(temperature=0, repetition_penalty=10.0), None, [0]) == 1
+        assert g.outputs[0].token_ids == k.outputs[0].token_ids == p.outputs[0].token_ids
 
 
 def test_repetition_penalty_changes_greedy_output(llm):
     plain = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     penalised = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.5))[0]
-    assert plain.token_ids != penalised.token_ids
-    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+    assert plain.outputs[0].token_ids != penalised.outputs[0].token_ids
+    assert len(set(penalised.outputs[0].token_ids)) >= len(set(plain.outputs[0].token_ids))
 
 
 def token_texts(llm, ids):
@@ -172,7 +125,7 @@ def token_texts(llm, ids):
 
 def test_stop_string_across_token_boundary_is_not_in_output(llm):
     full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
-    pieces = token_texts(llm, full.token_ids)
+    pieces = token_texts(llm, full.outputs[0].token_ids)
     # a stop string made of the end of token 5 and the start of token 6
     k = 5
     assert len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 2
@@ -181,9 +134,9 @@ def test_stop_string_across_token_boundary_is_not_in_output(llm):
     expected_text = "".join(pieces)[: "".join(pieces).find(stop)]
     assert len(expected_text) <= prefix_len
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "never-seen"]))[0]
-    assert out.finish_reason == "stop"
-    assert out.text == expected_text and stop not in out.text
-    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == expected_text and stop not in out.outputs[0].text
+    assert out.outputs[0].token_ids == full.outputs[0].token_ids[: len(out.outputs[0].token_ids)]
     # streaming never shows any part of the stop string either
     streamed = "".join(llm.stream(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=stop)))
     assert streamed == expected_text
@@ -191,12 +144,14 @@ def test_stop_string_across_token_boundary_is_not_in_output(llm):
 
 def test_stop_token_ids_and_eos(llm):
     full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
-    stop_id = full.token_ids[3]
-    first = full.token_ids.index(stop_id)
+    stop_id = full.outputs[0].token_ids[3]
+    first = full.outputs[0].token_ids.index(stop_id)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id]))[0]
-    assert out.finish_reason == "stop"
-    assert out.token_ids == full.token_ids[: first + 1]  # the stop token is kept in the ids...
-    assert out.text == llm.tokenizer.decode(full.token_ids[:first])  # ...and left out of the text
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == full.outputs[0].token_ids[: first + 1]  # the stop token is kept in the ids...
+    # ...and, an ordinary token, in the text too (as in vLLM); its id is the stop reason
+    assert out.outputs[0].text == llm.tokenizer.decode(full.outputs[0].token_ids[: first + 1])
+    assert out.outputs[0].stop_reason == stop_id
 
     eos = llm.tokenizer.eos_token_id
     try:  # pretend that token is the end-of-sequence token
@@ -205,35 +160,35 @@ def test_stop_token_ids_and_eos(llm):
         ignoring = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
     finally:
         llm.tokenizer.eos_token_id = eos
-    assert by_eos.token_ids == out.token_ids and by_eos.finish_reason == "stop"
-    assert ignoring.token_ids == full.token_ids and ignoring.finish_reason == "length"
+    assert by_eos.outputs[0].token_ids == out.outputs[0].token_ids and by_eos.outputs[0].finish_reason == "stop"
+    assert ignoring.outputs[0].token_ids == full.outputs[0].token_ids and ignoring.outputs[0].finish_reason == "length"
 
 
 def test_max_tokens_and_context_window_end_with_length(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
     window = llm.config.n_positions
     for prompt_len, expected in ((window - 1, 1), (window - 3, 3)):
         ids = [llm.tokenizer.encode(" the")[0]] * prompt_len
         out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
-        assert len(out.token_ids) == expected and out.finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == expected and out.outputs[0].finish_reason == "length"
 
 
 def test_stream_equals_generate_and_metrics(llm):
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
     whole = llm.generate(PROMPTS[2], params)[0]
-    assert "".join(llm.stream(PROMPTS[2], params)) == whole.text
+    assert "".join(llm.stream(PROMPTS[2], params)) == whole.outputs[0].text
     outs = list(llm.stream_outputs(PROMPTS[2], params))
-    assert len(outs) == len(whole.token_ids) and outs[-1].finished and not outs[0].finished
+    assert len(outs) == len(whole.outputs[0].token_ids) and outs[-1].finished and not outs[0].finished
     m = outs[-1].metrics
-    assert m.ttft_s > 0 and len(m.token_times) == len(whole.token_ids)
-    assert len(m.decode_latencies_s) == len(whole.token_ids) - 1 and all(d >= 0 for d in m.decode_latencies_s)
+    assert m.ttft_s > 0 and len(m.token_times) == len(whole.outputs[0].token_ids)
+    assert len(m.decode_latencies_s) == len(whole.outputs[0].token_ids) - 1 and all(d >= 0 for d in m.decode_latencies_s)
 
 
 def test_outputs_in_input_order_with_per_request_params(llm):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 1, 7)]
     outs = llm.generate(PROMPTS[:3], params)
-    assert [len(o.token_ids) for o in outs] == [3, 1, 7]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1, 7]
     assert [o.prompt for o in outs] == PROMPTS[:3]
     assert len({o.request_id for o in outs}) == 3
 
@@ -247,7 +202,12 @@ def test_outputs_in_input_order_with_per_request_params(llm):
         ("temperature", float("nan"), "temperature"),
         ("top_p", 0.0, r"top_p.*\(0, 1\]"),
         ("top_p", 1.5, "top_p"),
-        ("top_k", -1, "top_k"),
+        ("top_k", -2, "top_k"),
+        ("temperature", float("inf"), "finite"),
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("frequency_penalty", -3, "frequency_penalty"),
+        ("logprobs", 6, "logprobs"),
+        ("logprobs", -1, "logprobs"),
         ("min_p", -0.1, r"min_p.*\[0, 1\]"),
         ("min_p", 1.1, "min_p"),
         ("repetition_penalty", 0.0, "repetition_penalty"),
@@ -284,25 +244,25 @@ def test_bad_requests_raise_before_any_compute(llm, monkeypatch):
 def test_extreme_sampling_values_do_not_crash(llm):
     """Values at the edge of float32: a temperature too small to divide by is greedy (as in vLLM), a top_p
     below float32's smallest number keeps the best token, an extreme penalty stays finite."""
-    greedy = llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+    greedy = llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
     for params in (
         SamplingParams(max_tokens=24, temperature=1e-40),
         SamplingParams(max_tokens=24, temperature=1.0, top_p=1e-300, seed=0),
     ):
-        assert llm.generate(PROMPTS[0], params)[0].token_ids == greedy
+        assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids == greedy
     for penalty in (1e-300, 1e300):
         out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0, repetition_penalty=penalty, seed=0))[0]
-        assert len(out.token_ids) == 8
+        assert len(out.outputs[0].token_ids) == 8
 
 
 def test_lenient_and_strict_input_forms(llm):
     import numpy as np
 
     ids = llm.tokenizer.encode(PROMPTS[0])
-    expected = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].token_ids
-    assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)[0].token_ids == expected  # one flat list
-    assert llm.generate(prompt_token_ids=[np.array(ids)], sampling_params=GREEDY)[0].token_ids == expected
-    assert llm.generate(prompt_token_ids=[torch.tensor(ids)], sampling_params=GREEDY)[0].token_ids == expected
+    expected = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].outputs[0].token_ids
+    assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)[0].outputs[0].token_ids == expected  # one flat list
+    assert llm.generate(prompt_token_ids=[np.array(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids == expected
+    assert llm.generate(prompt_token_ids=[torch.tensor(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids == expected
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=[[True, 5]], sampling_params=GREEDY)
@@ -339,9 +299,9 @@ def test_cli_streams_text_then_summary(llm):
     result = run_cli("The Python interpreter", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     expected = llm.generate("The Python interpreter", SamplingParams(max_tokens=12, temperature=0))[0]
-    assert result.stdout == "The Python interpreter" + expected.text + "\n"
+    assert result.stdout == "The Python interpreter" + expected.outputs[0].text + "\n"
     summary = result.stderr.strip().splitlines()[-1]
-    assert summary.startswith(f"[{len(expected.prompt_token_ids)} prompt tokens, {len(expected.token_ids)} generated")
+    assert summary.startswith(f"[{len(expected.prompt_token_ids)} prompt tokens, {len(expected.outputs[0].token_ids)} generated")
     assert "TTFT" in summary and "tok/s" in summary
 
 
@@ -369,3 +329,98 @@ def test_cli_hub_model_offline_fails_fast_with_one_line():
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not be reached" in lines[0] and "local folder" in lines[0]
+
+
+def test_outputs_have_vllm_shapes(llm):
+    """RequestOutput(request_id, prompt, prompt_token_ids, outputs=[CompletionOutput(index, text, token_ids,
+    finish_reason, logprobs)], finished, metrics), as vLLM returns them; get_tokenizer() as in vLLM."""
+    (out,) = llm.generate(PROMPTS[0], GREEDY)
+    assert isinstance(out, RequestOutput) and out.finished and out.prompt == PROMPTS[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(PROMPTS[0])
+    (completion,) = out.outputs
+    assert isinstance(completion, CompletionOutput) and completion.index == 0
+    assert completion.finish_reason == "length" and completion.logprobs is None
+    assert completion.text == llm.get_tokenizer().decode(completion.token_ids)
+    by_ids = llm.generate(prompt_token_ids=[out.prompt_token_ids], sampling_params=GREEDY)[0]
+    assert by_ids.prompt is None and by_ids.outputs[0].token_ids == completion.token_ids
+
+
+def test_top_k_minus_one_is_off(llm):
+    params = dict(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    off = llm.generate(PROMPTS[0], SamplingParams(top_k=0, **params))[0].outputs[0].token_ids
+    assert llm.generate(PROMPTS[0], SamplingParams(top_k=-1, **params))[0].outputs[0].token_ids == off
+
+
+def test_output_kinds_cumulative_delta_final_only(demo_snapshot, llm):
+    """CUMULATIVE outputs carry everything so far, DELTA only what is new, FINAL_ONLY one output at the end;
+    all three add up to the same completion."""
+    engine = llm.engine
+    whole = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+    got = {}
+    for kind in RequestOutputKind:
+        engine.add_request(f"kind-{kind.name}", PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out.outputs[0])
+    cumulative, delta, final = got["kind-CUMULATIVE"], got["kind-DELTA"], got["kind-FINAL_ONLY"]
+    assert len(cumulative) == len(delta) == 10 and len(final) == 1
+    assert [len(c.token_ids) for c in cumulative] == list(range(1, 11))
+    assert all(len(d.token_ids) == 1 for d in delta)
+    assert "".join(d.text for d in delta) == cumulative[-1].text == final[0].text == whole.text
+    assert sum((d.token_ids for d in delta), []) == final[0].token_ids == whole.token_ids
+
+
+def test_abort_ends_with_an_abort_output(llm):
+    """An aborted request's last output says finish_reason "abort" (as in vLLM); the others carry on."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("keep", PROMPTS[0], params)
+    engine.add_request("drop", PROMPTS[1], params)
+    engine.step()
+    engine.abort_request("drop")
+    engine.abort_request("drop")  # twice, and unknown ids, are ignored
+    engine.abort_request("no-such-request")
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert finals["drop"].finish_reason == "abort"
+    assert finals["keep"].finish_reason == "length"
+    assert finals["keep"].token_ids == llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+
+
+def test_logprobs_of_greedy_tokens_equal_log_softmax_of_hf_logits(llm, hf_demo):
+    """logprobs=n returns, per generated token, the sampled token's log-probability and the n most likely
+    (greedy: from the model's own distribution), equal to log_softmax of HF's logits at that position."""
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 8
+    ids = out.prompt_token_ids + completion.token_ids
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf_demo(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
+    for i, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = expected[len(out.prompt_token_ids) - 1 + i]
+        top = torch.topk(row, 3)
+        assert set(entry) == {token_id} | set(top.indices.tolist())
+        assert entry[token_id].rank == 1 and isinstance(entry[token_id], Logprob)  # greedy: the best token
+        for t, lp in entry.items():
+            assert abs(lp.logprob - row[t].item()) <= 1e-4
+            assert lp.decoded_token == llm.tokenizer.decode([t])
+
+
+def test_cli_ctrl_c_ends_quietly_with_status_130():
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "400", "--ignore-eos"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout.read(len("The Python interpreter")) == "The Python interpreter"  # generating now
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr

@@ -25,9 +25,10 @@ from .kv_cache import KVCache
 
 # GPT-2 was written with a "Conv1D" layer that stores its weight as [in, out]; nn.Linear stores [out, in].
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Tensors of HF checkpoints that are not parameters: the causal-mask buffers of old checkpoints, and the
-# LM head, which is the token embedding itself (weight tying).
-IGNORED_HF_TENSORS = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
+# Tensors of HF checkpoints that are not parameters: the causal-mask buffers of old checkpoints.
+IGNORED_HF_TENSORS = (".attn.bias", ".attn.masked_bias")
+# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name, or both.
+TIED_HF_TENSORS = {"lm_head.weight": "wte.weight"}
 
 
 class CausalSelfAttention(nn.Module):
@@ -127,15 +128,26 @@ class GPT(nn.Module):
         """Copy a Hugging Face GPT-2 state dict into this model.
 
         Names map one to one after dropping the ``transformer.`` prefix that ``GPT2LMHeadModel``
-        checkpoints carry (``GPT2Model`` checkpoints, like OpenAI's on the Hub, have none); Conv1D
-        weights are transposed. Raises ValueError on a missing, unexpected or wrongly shaped tensor.
+        checkpoints carry (``GPT2Model`` checkpoints, like OpenAI's on the Hub, have none); the tied LM
+        head may come as ``wte.weight``, as ``lm_head.weight`` or as both; Conv1D weights are transposed.
+        Raises ValueError on a missing, unexpected or wrongly shaped tensor, and on two tensors for one
+        parameter that differ (an ``lm_head.weight`` unlike ``wte.weight`` is an untied LM head).
         """
         own = dict(self.named_parameters())
-        loaded = set()
+        found: dict[str, tuple[str, torch.Tensor]] = {}  # our name -> (HF name, tensor)
         for hf_name, tensor in hf_tensors.items():
             name = hf_name.removeprefix("transformer.")
             if name.endswith(IGNORED_HF_TENSORS):  # e.g. "h.0.attn.bias", not "h.0.attn.c_attn.bias"
                 continue
+            name = TIED_HF_TENSORS.get(name, name)
+            if name in found:  # saved twice: the LM head beside the embedding, or with and without the prefix
+                first_name, first = found[name]
+                if not torch.equal(first, tensor):
+                    untied = ": an untied LM head, which GPT-2's tied weights cannot represent" if name == "wte.weight" else ""
+                    raise ValueError(f"checkpoint tensors {first_name!r} and {hf_name!r} differ{untied}")
+                continue
+            found[name] = (hf_name, tensor)
+        for name, (hf_name, tensor) in found.items():
             if name not in own:
                 raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
             if name.endswith(CONV1D_WEIGHTS):
@@ -145,8 +157,7 @@ class GPT(nn.Module):
             if tensor.shape != own[name].shape:
                 raise ValueError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
             own[name].data = tensor.to(device=own[name].device, dtype=own[name].dtype, copy=True)
-            loaded.add(name)
-        missing = sorted(set(own) - loaded)
+        missing = sorted(set(own) - set(found))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 

@@ -14,7 +14,7 @@ from transformers import GPT2LMHeadModel
 
 import step1_generate
 
-from .engine import LLM
+from .llm import LLM
 from .kv_cache import KVCache
 from .model import GPT
 from .sampling import SamplingParams
@@ -45,7 +45,7 @@ def test_greedy_ids_equal_step1(llm, step1_llm):
     p2 = SamplingParams(max_tokens=40, temperature=0)
     p1 = step1_generate.SamplingParams(max_tokens=40, temperature=0)
     for a, b in zip(llm.generate(PROMPTS, p2), step1_llm.generate(PROMPTS, p1)):
-        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].text == b.outputs[0].text
 
 
 @pytest.mark.parametrize("prompt_len, max_tokens", [(200, 40), pytest.param(500, 40, marks=pytest.mark.slow)])
@@ -54,13 +54,13 @@ def test_long_prompts_to_the_window_equal_step1_and_hf(llm, step1_llm, demo_snap
     ids = long_prompt(llm, prompt_len)
     ours = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
     step1 = step1_llm.generate(prompt_token_ids=[ids], sampling_params=step1_generate.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
-    assert ours.token_ids == step1.token_ids
+    assert ours.outputs[0].token_ids == step1.outputs[0].token_ids
     n = min(max_tokens, llm.config.n_positions - prompt_len)
-    assert len(ours.token_ids) == n
+    assert len(ours.outputs[0].token_ids) == n
     hf = GPT2LMHeadModel.from_pretrained(demo_snapshot, dtype=torch.float32).eval()
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids]), do_sample=False, use_cache=True, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    assert ours.token_ids == out[0, prompt_len:].tolist()
+    assert ours.outputs[0].token_ids == out[0, prompt_len:].tolist()
 
 
 def test_greedy_ids_equal_hf_with_cache(llm, demo_snapshot):
@@ -70,7 +70,7 @@ def test_greedy_ids_equal_hf_with_cache(llm, demo_snapshot):
         ids = llm.tokenizer.encode(prompt)
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([ids]), do_sample=False, use_cache=True, max_new_tokens=40, eos_token_id=eos, pad_token_id=eos)
-        assert out.token_ids == ref[0, len(ids) :].tolist()
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
 
 
 def test_decode_logits_equal_full_recompute(demo_snapshot):
@@ -110,7 +110,7 @@ def test_seeded_sampling_equals_step1(llm, step1_llm):
         kw = dict(max_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=seed)
         a = llm.generate(PROMPTS[1], SamplingParams(**kw))[0]
         b = step1_llm.generate(PROMPTS[1], step1_generate.SamplingParams(**kw))[0]
-        assert a.text == b.text and a.token_ids == b.token_ids
+        assert a.outputs[0].text == b.outputs[0].text and a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_writing_past_capacity_raises(tiny_snapshot):

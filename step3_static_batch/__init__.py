@@ -1,7 +1,17 @@
 """Step 3: static batching: many requests decoded together, left-padded, with a batched KV cache."""
 
-from .engine import LLM, RequestMetrics, RequestOutput
-from .kv_cache import KVCache
-from .sampling import SamplingParams
+from .engine import LLMEngine
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
-__all__ = ["KVCache", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LLMEngine",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]

@@ -3,8 +3,12 @@
     python -m <step> "The Python interpreter" --max-tokens 48
     python -m <step> "Once upon a time" --model gpt2 --temperature 0.8 --top-p 0.95 --seed 1
 
-With several prompts (arguments, or --prompts-file with one per line) they run in static batches and
-each completion is printed when its batch is done, then the totals, waste included.
+With several prompts (arguments, or --prompts-file with one per line) they run in static batches: each
+completion is printed when all are done, then the totals: throughput and the waste (padding positions,
+and positions computed for requests that had already finished).
+
+Run it from the repository root. The CLI's defaults (greedy, 64 tokens) differ from the Python API's,
+which are vLLM's (temperature 1.0, 16 tokens).
 """
 
 from __future__ import annotations
@@ -13,48 +17,63 @@ import argparse
 import sys
 import time
 
-from .engine import DTYPES, LLM
+from .engine import DTYPES
+from .llm import LLM
 from .sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__package__}",
+        description=__doc__.split("\n\n")[0] + " The summary gives prompt and generated tokens, the time to "
+        "first token (TTFT) and the decode speed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("prompts", nargs="*", help="the texts to continue")
-    parser.add_argument("--prompts-file", help="a text file with one prompt per line")
+    parser.add_argument("--prompts-file", help="a UTF-8 text file with one prompt per line")
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
-    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder")
+    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="divides the logits; 0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this probability mass; 1 = off")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the best one; 0 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty on tokens already seen; 1 = off")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's penalty on tokens generated at least once; 0 = off")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's penalty per time a token was generated; 0 = off")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string, left out of the output (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going after <|endoftext|>")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random draws; none = different every run")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     return parser.parse_args(argv)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling parameters of the command line (ValueError on a bad value)."""
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-            seed=args.seed,
-        )
+        params = sampling_params(args)
         prompts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         if not prompts:
             raise ValueError("prompts: give at least one prompt, as an argument or with --prompts-file")
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size)
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, **engine_args(args))
         if len(prompts) > 1:
             return run_batch(llm, prompts, params)
         outputs = llm.stream_outputs(prompts[0], params)  # validates the request
@@ -63,17 +82,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     print(prompts[0], end="", flush=True)
+    num_tokens = 0
     for out in outputs:
-        print(out.delta, end="", flush=True)
+        print(out.outputs[0].text, end="", flush=True)  # what is new since the last output
+        num_tokens += len(out.outputs[0].token_ids)
     print()
     m = out.metrics
     decode = f"decode {m.decode_tokens_per_s:.1f} tok/s ({1e3 / m.decode_tokens_per_s:.1f} ms/token)" if m.decode_tokens_per_s else "decode n/a"
     print(
-        f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated ({out.finish_reason}), "
+        f"[{len(out.prompt_token_ids)} prompt tokens, {num_tokens} generated ({out.outputs[0].finish_reason}), "
         f"TTFT {m.ttft_s * 1e3:.1f} ms, {decode}]",
         file=sys.stderr,
     )
     return 0
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return {"max_batch_size": args.max_batch_size}
 
 
 def read_prompts_file(path: str) -> list[str]:
@@ -86,26 +111,30 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
-    """Generate every prompt in static batches; print each completion, then the totals and the waste."""
+    """Generate every prompt; print each completion, then the totals."""
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)  # validates every request first (ValueError)
     elapsed = time.perf_counter() - start
     for i, out in enumerate(outputs):
-        print(f"--- request {i} ({len(out.token_ids)} tokens, {out.finish_reason}) ---")
-        print(out.prompt + out.text)
-    generated = sum(len(out.token_ids) for out in outputs)
-    padding = sum(out.metrics.padding_tokens for out in outputs)
-    wasted = sum(out.metrics.wasted_tokens for out in outputs)
-    batches = -(-len(outputs) // llm.max_batch_size)
-    batches_text = f"{batches} batch" if batches == 1 else f"{batches} batches"
-    print(
-        f"[{len(outputs)} requests in {batches_text} of up to {llm.max_batch_size}: {generated} tokens generated "
-        f"in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); waste: {padding} padding positions, "
-        f"{wasted} positions computed for finished requests]",
-        file=sys.stderr,
-    )
+        completion = out.outputs[0]
+        print(f"--- request {i} ({len(completion.token_ids)} tokens, {completion.finish_reason}) ---")
+        print(out.prompt + completion.text)
+    generated = sum(len(out.outputs[0].token_ids) for out in outputs)
+    print(f"[{len(outputs)} requests: {generated} tokens generated in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); "
+          f"{engine_summary(llm.engine)}]", file=sys.stderr)
     return 0
 
 
+def engine_summary(engine) -> str:
+    return (
+        f"static batches of up to {engine.max_batch_size}; waste: {engine.num_padding_tokens} padding positions, "
+        f"{engine.num_wasted_tokens} positions computed for finished requests"
+    )
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
+        print(file=sys.stderr)
+        sys.exit(130)

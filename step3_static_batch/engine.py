@@ -1,33 +1,28 @@
-"""The generation engine: the `LLM` class, the requests it tracks, and the decoding loop.
+"""The engine: ``LLMEngine`` takes requests and advances them one step at a time (vLLM's names).
 
-This step's loop keeps a KV cache: the prompt goes through the model once (prefill), filling the cache,
-and every later forward pass takes only the newest token (decode), reading the others' keys and values
-from the cache. Generating n tokens after a prompt of p tokens costs p + n token positions instead of
-step 1's p + (p+1) + ... + (p+n-1); each decode step is one token's work plus attention over the cache.
-
-Static batching: requests are grouped, in arrival order, into batches of up to ``max_batch_size``, and
-each batch runs as one rectangle until its last member finishes. A decode step reads every weight once
-for the whole batch instead of once per request, which is what makes batching pay. The price is
-waste, counted per request in its metrics: the padding that makes the prompts one length, and the rows
-that keep computing after their request has finished.
+Every ``step`` picks the requests to run, hands them to the ``ModelRunner`` (one forward pass, one
+sampled token each), appends the tokens to their sequences, and returns the outputs that are due.
+This step runs static batches: up to ``max_batch_size`` requests start together, in arrival order, and
+the batch runs until every one of them has finished; only then does the next batch start. The waste
+is counted: left-padding positions, and rows computed after their request had finished.
+``LLM`` (llm.py) sits on top.
 """
 
 from __future__ import annotations
 
-import itertools
 import operator
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
 
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.tokenizer import Tokenizer
 from common.weights import resolve_model
 
-from .kv_cache import KVCache
 from .model import GPT
-from .sampling import SamplingParams, sample
+from .model_runner import ModelRunner
+from .sampling import SamplingParams
+from .sequence import RequestOutput, Sequence
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -59,177 +54,22 @@ def as_token_ids(ids) -> list[int]:
         raise ValueError("prompt_token_ids: each prompt must be a list of integer token ids") from None
 
 
-@dataclass
-class RequestMetrics:
-    """When things happened to one request, in seconds of ``time.perf_counter()``.
-
-    ttft_s: time to first token (arrival -> first token sampled); token_times: when each output token
-    was sampled; decode_latencies_s: the gaps between consecutive tokens (inter-token latency, ITL).
-    padding_tokens: left-padding positions computed in this request's batch row; wasted_tokens:
-    positions its row computed after the request had finished (the batch was still running).
-    """
-
-    arrival_time: float
-    token_times: list[float] = field(default_factory=list)
-    finished_time: float | None = None
-    padding_tokens: int = 0
-    wasted_tokens: int = 0
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_times[0] - self.arrival_time if self.token_times else None
-
-    @property
-    def decode_latencies_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        """Tokens after the first one, per second of decoding; None with fewer than two tokens."""
-        if len(self.token_times) < 2:
-            return None
-        return (len(self.token_times) - 1) / (self.token_times[-1] - self.token_times[0])
-
-
-@dataclass
-class RequestOutput:
-    """What a request has produced so far (or in all, once ``finish_reason`` is set).
-
-    text: the output text (stop strings excluded); token_ids: the output token ids (a stop token
-    included); delta: the text added since the previous output of this request (for streaming);
-    finish_reason: None while running, "stop" (eos, a stop token or a stop string) or "length"
-    (max_tokens or the context window).
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    delta: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class Sequence:
-    """One request in flight: its tokens, its sampling state and its stopping rules.
-
-    ``append`` takes each sampled token and decides whether the request is done. Stop strings are
-    matched on the text, also when one spans several tokens: text that could be the beginning of a
-    stop string is held back until it is known not to be one, so a stop string never reaches the
-    output, not even in a stream.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        tokenizer: Tokenizer,
-        max_model_len: int,
-        device: torch.device,
-    ):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.params = params
-        self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)  # tokens, prompt included
-        self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {tokenizer.eos_token_id})
-        self.generator = torch.Generator(device=device)
-        if params.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(params.seed)
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.text = ""  # released output text
-        self.pending = ""  # decoded text held back: it may be the start of a stop string
-        self.finish_reason: str | None = None
-        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt and output, the sequence the model sees."""
-        return self.prompt_token_ids + self.output_token_ids
-
-    def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def append(self, token_id: int) -> str:
-        """Add a sampled token; return the text that can be shown now (possibly ""); maybe finish."""
-        self.output_token_ids.append(token_id)
-        self.metrics.token_times.append(time.perf_counter())
-        if token_id in self.stop_token_ids:
-            self.finish_reason = "stop"
-            self.pending += self.detokenizer.flush()
-        else:
-            self.pending += self.detokenizer.push(token_id)
-            cut = self._stop_string_index()
-            if cut is not None:
-                self.pending = self.pending[:cut]
-                self.finish_reason = "stop"
-            elif len(self) >= self.max_len:
-                self.finish_reason = "length"
-                self.pending += self.detokenizer.flush()
-        if self.finished:
-            self.metrics.finished_time = time.perf_counter()
-            released, self.pending = self.pending, ""
-        else:
-            held = self._stop_prefix_length()
-            released, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
-        self.text += released
-        return released
-
-    def _stop_string_index(self) -> int | None:
-        """Where the earliest stop string starts in the held-back text, or None."""
-        hits = [i for s in self.params.stop if (i := self.pending.find(s)) >= 0]
-        return min(hits) if hits else None
-
-    def _stop_prefix_length(self) -> int:
-        """Length of the longest end of the held-back text that begins some stop string."""
-        longest = 0
-        for s in self.params.stop:
-            for n in range(min(len(s) - 1, len(self.pending)), longest, -1):
-                if self.pending.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
-
-    def output(self, delta: str = "") -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            text=self.text,
-            token_ids=list(self.output_token_ids),
-            finish_reason=self.finish_reason,
-            metrics=self.metrics,
-            delta=delta,
-        )
-
-
-class LLM:
-    """Generate text with a GPT-2 model: the offline entry point, named as in vLLM.
+class LLMEngine:
+    """The generation engine, driven one step at a time.
 
     model: "demo" (bundled), a Hub id or alias ("gpt2", "gpt2-medium", ...), or a local snapshot
     folder (see ``common.weights.resolve_model``). device: a torch device string. dtype: "float32",
     "float16" or "bfloat16". max_batch_size: most requests decoded together.
+
+    num_padding_tokens, num_wasted_tokens: positions computed so far that serve no request: left padding,
+    and rows of requests that had finished while their batch had not.
 
     Raises ValueError on a bad model, device, dtype or max_batch_size; ConnectionError if a Hub model
     cannot be fetched.
     """
 
     def __init__(self, model: str = "demo", device: str = "cpu", dtype: str = "float32", max_batch_size: int = 8):
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r}: must be an integer >= 1")
         self.max_batch_size = max_batch_size
         if dtype not in DTYPES:
@@ -240,105 +80,98 @@ class LLM:
         self.dtype = DTYPES[dtype]
         self.model = GPT.from_pretrained(str(folder), device=self.device, dtype=self.dtype)
         self.config = self.model.config
-        self._request_ids = itertools.count()
+        self.max_model_len = self.config.n_positions  # tokens one request can reach, prompt included
+        self.model_runner = ModelRunner(self.model, self.tokenizer, self.device)
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, returned by the next step
+        self.num_padding_tokens = 0
+        self.num_wasted_tokens = 0
 
-    def generate(
-        self,
-        prompts: str | list[str] | None = None,
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        prompt_token_ids: list[list[int]] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate a completion for every prompt (text, or token ids); outputs in input order.
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> None:
+        """Queue a request; ``prompt`` is a text or a list of token ids. Raises ValueError (see
+        ``make_sequence``) before the request enters the queue."""
+        self.add_sequence(self.make_sequence(request_id, prompt, sampling_params))
 
-        Requests run in static batches of up to ``max_batch_size``, in arrival order.
-        sampling_params: one for all prompts, or one per prompt; default ``SamplingParams()``.
-        Every request is validated before any compute; a bad one raises ValueError.
+    def make_sequence(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
+        """Tokenize and check one request, the one place where requests are validated; queues nothing.
+
+        Raises ValueError if the id is in use, the prompt or the parameters are bad, or the request can
+        never run (no room to generate in the context window).
         """
-        sequences = self._make_sequences(prompts, sampling_params, prompt_token_ids)
-        for i in range(0, len(sequences), self.max_batch_size):
-            for _ in self._decode(sequences[i : i + self.max_batch_size]):
-                pass
-        return [seq.output() for seq in sequences]
-
-    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one completion piece by piece, as it is generated.
-
-        The request is validated when ``stream`` is called (ValueError), before the first token.
-        """
-        return (out.delta for out in self.stream_outputs(prompt, sampling_params) if out.delta)
-
-    def stream_outputs(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Like ``stream``, but yield a ``RequestOutput`` after every token (with ``delta``, metrics)."""
-        (seq,) = self._make_sequences(prompt, sampling_params, None)
-        return (seq.output(deltas[0]) for deltas in self._decode([seq]))
-
-    def _make_sequences(self, prompts, sampling_params, prompt_token_ids) -> list[Sequence]:
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("pass either prompts or prompt_token_ids")
-        if prompts is not None:
-            prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-            if not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompts: must be strings (use prompt_token_ids= for token ids)")
-            token_lists = [self.tokenizer.encode(p) for p in prompts]
+        if not isinstance(request_id, str) or request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r}: must be a string not used by an unfinished request")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            if prompt_token_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
-                prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list
-            token_lists = [as_token_ids(ids) for ids in prompt_token_ids]
-            prompts = [None] * len(token_lists)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(token_lists)
-        if not isinstance(sampling_params, (list, tuple)):
-            raise ValueError(f"sampling_params: expected SamplingParams or a list of them, got {type(sampling_params).__name__}")
-        if len(sampling_params) != len(token_lists):
-            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(token_lists)} prompts")
-        for ids, params in zip(token_lists, sampling_params):
-            self._check_request(ids, params)
-        return [
-            Sequence(str(next(self._request_ids)), prompt, ids, params, self.tokenizer, self.config.n_positions, self.device)
-            for prompt, ids, params in zip(prompts, token_lists, sampling_params)
-        ]
-
-    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
+            text, ids = None, as_token_ids(prompt)
+        params = sampling_params if sampling_params is not None else SamplingParams()
         vocab, window = self.config.vocab_size, self.config.n_positions
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if len(ids) == 0:
-            raise ValueError("prompt: is empty; give at least one token")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids: every id must be an integer in [0, {vocab})")
-        if len(ids) >= window:
+            raise ValueError("prompt is empty; give at least one token")
+        if not all(0 <= t < vocab for t in ids):
+            field = "prompt" if text is not None else "prompt_token_ids"  # a text can hold added tokens the model lacks
+            raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt: {len(ids)} tokens leaves no room to generate in the context window of {window} "
-                f"tokens (at most {window - 1} prompt tokens)"
+                f"prompt of {len(ids)} tokens leaves no room to generate: at most {self.max_model_len - 1} prompt "
+                f"tokens fit (context window: {window} tokens)"
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: every id must be < vocab_size={vocab}")
+        return Sequence(request_id, text, ids, params, self.tokenizer, self.max_model_len, self.device)
 
-    @torch.inference_mode()
-    def _decode(self, batch: list[Sequence]) -> Iterator[list[str]]:
-        """The decoding loop of one static batch: prefill the left-padded prompts into a batched KV cache,
-        then feed one new token per row at a time until every row has finished. Yields each row's new text."""
-        longest = max(len(seq) for seq in batch)
-        num_pads = [longest - len(seq) for seq in batch]
-        capacity = longest + max(seq.max_len - len(seq) for seq in batch)  # the longest-running row decides
-        kv_cache = KVCache(self.config, capacity, self.device, self.dtype, batch_size=len(batch))
-        pad_id = self.tokenizer.eos_token_id  # any id: padding is masked out
-        input_ids = torch.tensor([[pad_id] * n + seq.token_ids for n, seq in zip(num_pads, batch)], device=self.device)
-        num_pads_t = torch.tensor(num_pads, device=self.device)  # [B]
-        for n, seq in zip(num_pads, batch):
-            seq.metrics.padding_tokens = n
-        while not all(seq.finished for seq in batch):
-            logits = self.model(input_ids, kv_cache, num_pads_t, last_only=True)[:, -1]  # [B, V], each row's next-token scores
-            deltas = []
-            for row, seq in enumerate(batch):
-                if seq.finished:  # this row's work was wasted: its request is done, the batch is not
-                    seq.metrics.wasted_tokens += 1
-                    deltas.append("")
-                    continue
-                token_id = sample(logits[row], seq.params, seq.generator, seq.token_ids)
-                deltas.append(seq.append(token_id))
-            yield deltas
-            # [B, 1]: each row's newest token (a finished row repeats its last one, computed for nothing)
-            input_ids = torch.tensor([[seq.output_token_ids[-1]] for seq in batch], device=self.device)
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by ``make_sequence``."""
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request, waiting or running; unknown or finished ids are ignored. Its final output
+        (finish_reason "abort") comes out of the next ``step``."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)  # a running one keeps its row until its batch ends
+        seq.finish("abort")
+        self.aborted.append(seq.output())
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running (an aborted one's last output may still be due)."""
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: the running batch's new tokens through the model, one token sampled and appended
+        per unfinished row.
+
+        Returns the outputs due in this step (per each request's ``output_kind``).
+        """
+        outputs, self.aborted = self.aborted, []
+        if not self.running and self.waiting:  # the next batch: the oldest requests, up to max_batch_size
+            self.running = [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]
+            for seq in self.running:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+            self.model_runner.allocate_kv_cache(self.running)
+            self.num_padding_tokens += sum(self.model_runner.num_pads)
+        if not self.running:
+            return outputs
+        token_ids, logprobs = self.model_runner.run(self.running)
+        for seq, token_id, token_logprobs in zip(self.running, token_ids, logprobs):
+            if seq.finished:  # this row's work was wasted: its request is done, the batch is not
+                self.num_wasted_tokens += 1
+                continue
+            seq.append(token_id, token_logprobs)
+            if (out := seq.output()) is not None:
+                outputs.append(out)
+            if seq.finished:
+                del self.requests[seq.request_id]
+        if all(seq.finished for seq in self.running):
+            self.running = []
+        return outputs

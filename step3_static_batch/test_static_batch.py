@@ -15,7 +15,7 @@ from transformers import GPT2LMHeadModel
 
 import step2_kvcache
 
-from .engine import LLM
+from .llm import LLM
 from .model import GPT, padding_mask
 from .sampling import SamplingParams
 
@@ -43,20 +43,20 @@ def solo(demo_snapshot):
 
 def solo_ids(solo, prompt_ids, max_tokens):
     params = step2_kvcache.SamplingParams(max_tokens=max_tokens, temperature=0)
-    return solo.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0].token_ids
+    return solo.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 8])
 def test_batched_greedy_equals_solo_step2(llm, solo, batch_size):
-    llm.max_batch_size = batch_size
+    llm.engine.max_batch_size = batch_size
     try:
         max_tokens = [5 + 4 * i for i in range(len(PROMPTS))]  # different lengths: rows finish at different steps
         outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0) for n in max_tokens])
     finally:
-        llm.max_batch_size = 8
+        llm.engine.max_batch_size = 8
     for prompt, n, out in zip(PROMPTS, max_tokens, outs):
         assert out.prompt == prompt  # input order
-        assert out.token_ids == solo_ids(solo, llm.tokenizer.encode(prompt), n), prompt
+        assert out.outputs[0].token_ids == solo_ids(solo, llm.tokenizer.encode(prompt), n), prompt
 
 
 @pytest.mark.slow
@@ -65,23 +65,25 @@ def test_prompt_lengths_from_1_to_near_the_window(llm, solo):
     base = llm.tokenizer.encode(" ".join(PROMPTS) + " ")
     lengths = [1, 17, 130, 490]
     prompts = [(base * 20)[:n] for n in lengths]
+    padding_before = llm.engine.num_padding_tokens
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs):
         n = min(20, llm.config.n_positions - len(ids))
-        assert len(out.token_ids) == n
-        assert out.token_ids == solo_ids(solo, ids, 20)
-    assert [o.metrics.padding_tokens for o in outs] == [490 - n for n in lengths]
+        assert len(out.outputs[0].token_ids) == n
+        assert out.outputs[0].token_ids == solo_ids(solo, ids, 20)
+    assert llm.engine.num_padding_tokens - padding_before == sum(490 - n for n in lengths)
 
 
 def test_a_row_that_reaches_the_window_keeps_stepping_safely(llm, solo):
     """Row 0 (500 tokens) stops at the 512-token window after 12 tokens; row 1 goes on for 100 steps with
     row 0 still computing beside it, past the window, without touching the position table's end."""
     ids = [[5] * 500, [5]]
+    wasted_before = llm.engine.num_wasted_tokens
     outs = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
-    assert [len(o.token_ids) for o in outs] == [12, 100]
-    assert outs[0].finish_reason == outs[1].finish_reason == "length"
-    assert outs[0].token_ids == solo_ids(solo, ids[0], 100) and outs[1].token_ids == solo_ids(solo, ids[1], 100)
-    assert outs[0].metrics.wasted_tokens == 100 - 12
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 100]
+    assert outs[0].outputs[0].finish_reason == outs[1].outputs[0].finish_reason == "length"
+    assert outs[0].outputs[0].token_ids == solo_ids(solo, ids[0], 100) and outs[1].outputs[0].token_ids == solo_ids(solo, ids[1], 100)
+    assert llm.engine.num_wasted_tokens - wasted_before == 100 - 12
 
 
 def test_equals_hf_generate_with_left_padding(llm, demo_snapshot):
@@ -96,7 +98,7 @@ def test_equals_hf_generate_with_left_padding(llm, demo_snapshot):
         ref = hf.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=pad)
     outs = llm.generate(PROMPTS[:5], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for row, out in enumerate(outs):
-        assert out.token_ids == ref[row, longest:].tolist()
+        assert out.outputs[0].token_ids == ref[row, longest:].tolist()
 
 
 def test_seeded_sample_is_batch_independent(llm):
@@ -107,7 +109,7 @@ def test_seeded_sample_is_batch_independent(llm):
     for position in range(4):
         prompts = other_prompts[:position] + [PROMPTS[2]] + other_prompts[position:]
         out = llm.generate(prompts, others[:position] + [params] + others[position:])[position]
-        assert out.text == alone.text and out.token_ids == alone.token_ids
+        assert out.outputs[0].text == alone.outputs[0].text and out.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_no_nan_or_inf_with_heavy_padding(demo_snapshot):
@@ -135,38 +137,40 @@ def test_padding_mask_hides_padding_from_every_query():
 
 def test_stop_rules_per_row_and_waste_is_counted(llm, solo):
     full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
-    stop_text = llm.tokenizer.decode(full.token_ids[4:6])
+    stop_text = llm.tokenizer.decode(full.outputs[0].token_ids[4:6])
     params = [
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop_text]),  # stops at a string
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),  # runs to 30
-        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[full.token_ids[2]]),  # stops at a token
+        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[full.outputs[0].token_ids[2]]),  # stops at a token
         SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),  # stops at length 7
     ]
+    padding_before, wasted_before = llm.engine.num_padding_tokens, llm.engine.num_wasted_tokens
     outs = llm.generate([PROMPTS[1]] * 4, params)
-    assert outs[0].finish_reason == "stop" and stop_text not in outs[0].text
-    assert outs[0].text == full.text[: full.text.find(stop_text)]
-    assert outs[1].token_ids == full.token_ids and outs[1].finish_reason == "length"
-    assert outs[2].token_ids == full.token_ids[:3] and outs[2].finish_reason == "stop"
-    assert outs[3].token_ids == full.token_ids[:7] and outs[3].finish_reason == "length"
+    assert outs[0].outputs[0].finish_reason == "stop" and stop_text not in outs[0].outputs[0].text
+    assert outs[0].outputs[0].text == full.outputs[0].text[: full.outputs[0].text.find(stop_text)]
+    assert outs[1].outputs[0].token_ids == full.outputs[0].token_ids and outs[1].outputs[0].finish_reason == "length"
+    assert outs[2].outputs[0].token_ids == full.outputs[0].token_ids[:3] and outs[2].outputs[0].finish_reason == "stop"
+    assert outs[3].outputs[0].token_ids == full.outputs[0].token_ids[:7] and outs[3].outputs[0].finish_reason == "length"
     # the batch ran 30 steps; every row that finished early kept computing until then
-    assert [o.metrics.wasted_tokens for o in outs] == [30 - len(o.token_ids) for o in outs]
-    assert all(o.metrics.padding_tokens == 0 for o in outs)  # same prompt: no padding
+    assert llm.engine.num_wasted_tokens - wasted_before == sum(30 - len(o.outputs[0].token_ids) for o in outs)
+    assert llm.engine.num_padding_tokens == padding_before  # same prompt: no padding
 
 
 def test_batches_form_in_arrival_order(llm, monkeypatch):
     sizes = []
-    real = llm._decode
+    runner = llm.engine.model_runner
+    real = runner.allocate_kv_cache
 
     def recording(batch):
         sizes.append([seq.request_id for seq in batch])
         return real(batch)
 
-    monkeypatch.setattr(llm, "_decode", recording)
-    llm.max_batch_size = 3
+    monkeypatch.setattr(runner, "allocate_kv_cache", recording)
+    llm.engine.max_batch_size = 3
     try:
         outs = llm.generate(PROMPTS[:7], SamplingParams(max_tokens=2, temperature=0))
     finally:
-        llm.max_batch_size = 8
+        llm.engine.max_batch_size = 8
     ids = [o.request_id for o in outs]
     assert sizes == [ids[0:3], ids[3:6], ids[6:7]]
 
@@ -187,7 +191,7 @@ def test_cli_several_prompts_and_file(llm, tmp_path):
     assert result.returncode == 0, result.stderr
     expected = llm.generate(["The Python interpreter", "A list comprehension is", "The"], SamplingParams(max_tokens=6, temperature=0))
     for out in expected:
-        assert out.prompt + out.text in result.stdout
+        assert out.prompt + out.outputs[0].text in result.stdout
     assert result.stdout.count("--- request") == 3
     summary = result.stderr.strip().splitlines()[-1]
-    assert "3 requests in 2 batches" in summary and "padding positions" in summary
+    assert "3 requests" in summary and "batches of up to 2" in summary and "padding positions" in summary

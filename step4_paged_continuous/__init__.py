@@ -1,19 +1,24 @@
 """Step 4: a paged KV cache and continuous batching, with preemption by recompute."""
 
 from .block_manager import BlockManager
-from .engine import LLM, EngineStats, LLMEngine, RequestMetrics, RequestOutput
+from .engine import LLMEngine
 from .kv_cache import PagedKVCache
-from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .scheduler import Scheduler, SchedulerStats
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = [
-    "BlockManager",
-    "EngineStats",
     "LLM",
+    "BlockManager",
+    "CompletionOutput",
     "LLMEngine",
+    "Logprob",
     "PagedKVCache",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "Scheduler",
+    "SchedulerStats",
 ]

@@ -1,7 +1,7 @@
 """The block manager: which KV-cache blocks are free, and which blocks each sequence owns.
 
-The bookkeeping half of PagedAttention (Kwon et al. 2023, SOSP; the name is vLLM's): a free list, a
-reference count per block, and a block table per sequence. A sequence gets blocks on demand, one
+The bookkeeping half of PagedAttention (Kwon et al. 2023, SOSP; the name is vLLM's): a free list and a
+block table per sequence; ``block_size`` is decided here, once. A sequence gets blocks on demand, one
 whenever its next token starts a new block, and gives them all back when it finishes, is aborted or
 is preempted. Nothing here touches tensors; the pool itself is ``PagedKVCache``.
 """
@@ -11,19 +11,24 @@ from __future__ import annotations
 from collections import deque
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
 class BlockManager:
     """Allocates blocks of ``block_size`` token slots out of a pool of ``num_blocks``.
 
-    free_blocks: the ids of unowned blocks (first in, first out). ref_counts[b]: how many sequences own
-    block b. block_tables[seq_id]: the blocks of a sequence, in position order. Raises RuntimeError on a
-    request for more blocks than are free (callers check ``can_allocate`` / ``can_append`` first).
+    free_blocks: the ids of unowned blocks (first in, first out); every other block belongs to exactly
+    one sequence (nothing shares blocks in this engine). block_tables[seq_id]: the blocks of a sequence,
+    in position order. ``allocate`` raises RuntimeError on a request for more blocks than are free
+    (callers check ``can_allocate`` first).
     """
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.ref_counts = [0] * num_blocks
         self.block_tables: dict[str, list[int]] = {}
 
     @property
@@ -31,8 +36,8 @@ class BlockManager:
         return len(self.free_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-        return -(-num_tokens // self.block_size)
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` tokens (a prefill) fits in the free blocks."""
@@ -42,33 +47,30 @@ class BlockManager:
         """Give a new sequence the blocks for its first ``num_tokens`` tokens."""
         if seq_id in self.block_tables:
             raise RuntimeError(f"sequence {seq_id} already has blocks")
-        self.block_tables[seq_id] = []
-        self._grow(seq_id, self.blocks_for(num_tokens))
+        self.block_tables[seq_id] = self._take(self.blocks_for(num_tokens))
 
-    def can_append(self, seq_id: str, num_tokens: int) -> bool:
-        """Whether the sequence can grow to ``num_tokens`` tokens (at most one new block per step)."""
-        return self.blocks_for(num_tokens) - len(self.block_tables[seq_id]) <= self.num_free_blocks
-
-    def append(self, seq_id: str, num_tokens: int) -> None:
-        """Make room for the sequence to hold ``num_tokens`` tokens, taking a block if it needs one."""
-        self._grow(seq_id, self.blocks_for(num_tokens) - len(self.block_tables[seq_id]))
+    def append(self, seq_id: str, num_tokens: int) -> bool:
+        """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode),
+        taking a block if its last one is full. Returns False, taking nothing, if none is free."""
+        table = self.block_tables[seq_id]
+        if num_tokens <= len(table) * self.block_size:
+            return True
+        if not self.free_blocks:
+            return False
+        table.append(self.free_blocks.popleft())
+        return True
 
     def free(self, seq_id: str) -> None:
         """Release every block of the sequence (finished, aborted or preempted)."""
-        for block in self.block_tables.pop(seq_id):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+        self.free_blocks.extend(self.block_tables.pop(seq_id))
 
-    def slot(self, seq_id: str, position: int) -> int:
-        """The flat cache slot of the token at ``position``: block * block_size + offset."""
-        block = self.block_tables[seq_id][position // self.block_size]
-        return block * self.block_size + position % self.block_size
+    def slots(self, seq_id: str, start: int, end: int) -> list[int]:
+        """The flat cache slots of the tokens at positions start..end-1: block * block_size + offset."""
+        table, size = self.block_tables[seq_id], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
 
-    def _grow(self, seq_id: str, n: int) -> None:
+    def _take(self, n: int) -> list[int]:
+        """n blocks off the free list; nothing is taken if fewer are free (RuntimeError)."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV-cache blocks: {n} needed, {self.num_free_blocks} free")
-        for _ in range(n):
-            block = self.free_blocks.popleft()
-            self.ref_counts[block] += 1
-            self.block_tables[seq_id].append(block)
+        return [self.free_blocks.popleft() for _ in range(n)]

@@ -24,18 +24,17 @@ from common.weights import GPT2Config
 class PagedKVCache:
     """Pre-allocated K and V pools: k[layer], v[layer] are [num_blocks, block_size, H, D].
 
-    Sizes: ``bytes_per_block`` = 2 x n_layer x block_size x n_head x head_dim x element size.
+    Sizes: ``block_bytes`` = 2 x n_layer x block_size x n_head x head_dim x element size per block.
+    Raises ValueError if the pool would not fit in the device's free memory.
     """
 
     def __init__(
         self, config: GPT2Config, num_blocks: int, block_size: int, device: torch.device | str, dtype: torch.dtype
     ):
+        check_free_memory(num_blocks * self.block_bytes(config, block_size, dtype), torch.device(device), num_blocks)
         shape = (num_blocks, block_size, config.n_head, config.head_dim)  # [num_blocks, block_size, H, D]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.config = config
-        self.num_blocks = num_blocks
-        self.block_size = block_size
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the keys and values of N new tokens: k, v [N, H, D] go to the slots slot_mapping [N]."""
@@ -51,7 +50,7 @@ class PagedKVCache:
         S, M = block_tables.shape
         k = self.k[layer][block_tables]  # [S, M, block_size, H, D]
         v = self.v[layer][block_tables]  # [S, M, block_size, H, D]
-        return k.view(S, M * self.block_size, *k.shape[3:]), v.view(S, M * self.block_size, *v.shape[3:])
+        return k.flatten(1, 2), v.flatten(1, 2)  # [S, M * block_size, H, D]
 
     @staticmethod
     def block_bytes(config: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
@@ -59,10 +58,24 @@ class PagedKVCache:
         return 2 * config.n_layer * block_size * config.n_head * config.head_dim * dtype.itemsize
 
     @property
-    def bytes_per_block(self) -> int:
-        return self.block_bytes(self.config, self.block_size, self.k[0].dtype)
-
-    @property
     def nbytes(self) -> int:
         """Bytes allocated for the whole pool (all layers, K and V)."""
-        return self.bytes_per_block * self.num_blocks
+        return sum(t.nbytes for t in self.k + self.v)
+
+
+def check_free_memory(nbytes: int, device: torch.device, num_blocks: int) -> None:
+    """Raise ValueError, before allocating, if a pool of ``nbytes`` bytes cannot fit in the device's free
+    memory (the GPU's, or the machine's available RAM for the CPU, where the OS tells it)."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:  # Linux: memory available without swapping (free + reclaimable cache)
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):  # not every OS tells
+            return
+    if nbytes > free:
+        raise ValueError(
+            f"num_kv_blocks={num_blocks}: the KV cache would need {nbytes / 2**30:.2f} GiB, "
+            f"but {free / 2**30:.2f} GiB is free on {device}"
+        )

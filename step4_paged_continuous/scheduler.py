@@ -15,14 +15,12 @@ tokens it has generated. When it is admitted again, its prompt and those tokens 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
-
-if TYPE_CHECKING:
-    from .engine import Sequence
+from .sequence import Sequence
 
 
 @dataclass
@@ -40,6 +38,20 @@ class SchedulerOutput:
         return sum(len(seq) for seq in self.prefills) + len(self.decodes)
 
 
+@dataclass
+class SchedulerStats:
+    """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
+    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_batched_tokens: int
+
+
 class Scheduler:
     """First-come-first-served continuous batching with preemption by recompute.
 
@@ -54,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_batched_tokens = 0  # in the last step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -63,21 +76,18 @@ class Scheduler:
         out = SchedulerOutput()
         blocks = self.block_manager
         # 1. Every running sequence decodes one token, oldest first; its token may need a new block.
-        for seq in list(self.running):
-            if seq not in self.running:  # preempted below to make room for an older one
-                continue
-            while not blocks.can_append(seq.request_id, len(seq)) and self.running[-1] is not seq:
-                out.preempted.append(self._preempt(self.running.pop()))
-            if blocks.can_append(seq.request_id, len(seq)):
-                blocks.append(seq.request_id, len(seq))
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if blocks.append(seq.request_id, len(seq)):
                 out.decodes.append(seq)
-            else:  # seq is the newest running sequence: it steps back itself
+                i += 1
+            else:  # no block free: the newest running sequence steps back (seq itself, if it is the newest)
                 out.preempted.append(self._preempt(self.running.pop()))
-        if out.preempted:  # memory is short: admitting anyone now would only preempt again
-            return out
-        # 2. Admit waiting requests in arrival order while all three limits allow; no overtaking.
+        # 2. Admit waiting requests in arrival order while all three limits allow; no overtaking. Not when
+        # memory is short (someone was preempted): admitting anyone now would only preempt again.
         budget = self.max_num_batched_tokens - len(out.decodes)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if len(seq) > budget or not blocks.can_allocate(len(seq)):
                 break
@@ -86,6 +96,9 @@ class Scheduler:
             self.running.append(seq)
             out.prefills.append(seq)
             budget -= len(seq)
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+        self.num_batched_tokens = out.num_batched_tokens
         return out
 
     def finish(self, seq: Sequence) -> None:
@@ -93,17 +106,25 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Remove a request wherever it is, freeing its blocks; returns it, or None if unknown."""
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.finish(seq)
-                return seq
-        return None
+    def abort(self, seq: Sequence) -> None:
+        """Remove a request, waiting or running, freeing its blocks at once."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            self.finish(seq)
+
+    def make_stats(self) -> SchedulerStats:
+        blocks = self.block_manager
+        used = blocks.num_blocks - blocks.num_free_blocks
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=used / blocks.num_blocks,
+            num_used_blocks=used,
+            num_blocks=blocks.num_blocks,
+            num_preemptions=self.num_preemptions,
+            num_batched_tokens=self.num_batched_tokens,
+        )
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.block_manager.free(seq.request_id)

@@ -1,14 +1,16 @@
-"""benchmarks/: the kvcache, static_batch and continuous benchmarks' code paths end to end on a tiny model
-(structure of the JSON, not speed: tests never assert timings), the shared workload files, the harness's
-alternation, ratios and percentiles, and the synthetic GPT-2 vocabulary of the gpt2-124m-random model."""
+"""benchmarks/: the kvcache, static_batch, continuous and gpu benchmarks' code paths end to end on a tiny
+model on the CPU (structure of the JSON, not speed: tests never assert timings), redrawing a plot from the
+JSON, the shared workload files, the harness's alternation, ratios, percentiles and target lines, and the
+synthetic GPT-2 vocabulary of the gpt2-124m-random model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 
-from benchmarks import continuous, harness, kvcache, static_batch, workloads
+from benchmarks import continuous, gpu, harness, kvcache, static_batch, workloads
 from benchmarks.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
 from common.tokenizer import Tokenizer, byte_to_unicode
 
@@ -185,10 +187,18 @@ def test_static_batch_benchmark_writes_json_and_plot(tiny_model, tmp_path):
     assert mixed["median"]["step3"]["computed_tokens"] == static_positions(SPREAD, 4) > requested
     assert mixed["median"]["hf"]["computed_tokens"] == static_positions(SPREAD, 4)
     assert [b["requests"] for b in mixed["runs"]["step3"][0]["batches"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # step 3's engine counts padding and finished rows per batch, not per request
+    for r in mixed["runs"]["step3"]:
+        assert all(rec["padding_tokens"] is None and rec["wasted_tokens"] is None for rec in r["requests"])
+        for batch, spread in zip(r["batches"], (SPREAD[:4], SPREAD[4:])):
+            longest, largest = max(p for p, _ in spread), max(n for _, n in spread)
+            assert batch["padding_tokens"] == sum(longest - p for p, _ in spread)
+            assert batch["wasted_tokens"] == sum(largest - n for _, n in spread)
     assert set(mixed["ratios"]) >= {"step3/step2", "step3/hf", "step2/step3 latency", "hf/step3 latency"}
 
     report = static_batch.report(written)
-    assert "targets" in report and report.count("met") + report.count("MISSED") >= 2
+    # the targets are set at B = 8 and on the whole mixed workload: neither met nor MISSED at this size
+    assert "targets" in report and report.count(": not measured at full size") == 2 and "MISSED" not in report
 
 
 def test_continuous_benchmark_writes_json_and_plot(tiny_model, tmp_path):
@@ -256,3 +266,60 @@ def test_percentile_and_target_lines():
     assert harness.target_line("a", 2.0, ">= 1.5").startswith("met")
     assert harness.target_line("a", 1.0, "< 1", " blocks") == "MISSED  a: 1.00 blocks (target < 1 blocks)"
     assert harness.target_line("a", None, ">= 3").startswith("MISSED")
+    # a target whose workload point did not run (--quick) is neither met nor missed
+    line = harness.target_line("a at 64 tokens", 1.0, ">= 4", full_size=False)
+    assert line == "-       a at 64 tokens: 1.00x (target >= 4x): not measured at full size"
+
+
+def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
+    lengths = {"short": {"prompt_tokens": 4, "max_tokens": 4}, "long": {"prompt_tokens": 12, "max_tokens": 6}}
+    profile = {**gpu.PROFILE, "dtype": "float32", "batch_size": 2, "steps": 3, "top": 5}
+    result = gpu.run([tiny_model], device="cpu", runs=2, batch_sizes=[1, 2], lengths=lengths,
+                     matrix={"float32": {"short": gpu.ENGINE_NAMES, "long": ("step3", "step4")}}, profile=profile,
+                     out_dir=tmp_path)
+
+    written = json.loads((tmp_path / "gpu-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "gpu-cpu.png").stat().st_size > 0
+    assert written["machine"]["copy_bandwidth_bytes_per_s"] > 0
+    assert written["workload"]["workloads"]["long"]["prompt_tokens"] == 12  # exactly what ran
+    model = written["models"][tiny_model]
+    step5 = importlib.util.find_spec("step5_flash_gpu") is not None
+    assert ("step5" in model["skipped"]) is not step5  # skipped, and said so, while the package is missing
+
+    # one point per batch size and workload; step 2 at B = 1 only; every run generates exactly what it asks
+    assert [(p["batch_size"], p["workload"]) for p in model["points"]] == [(1, "short"), (1, "long"), (2, "short"),
+                                                                            (2, "long")]
+    for point in model["points"]:
+        b, n = point["batch_size"], lengths[point["workload"]]["max_tokens"]
+        if point["workload"] == "short":  # every engine there; on long, only those the matrix names
+            engines = {"hf", "step3", "step4"} | ({"step2"} if b == 1 else set()) | ({"step5"} if step5 else set())
+            assert set(point["ratios"]) >= {f"{e}/hf" for e in engines - {"hf"}}
+        else:
+            engines = {"step3", "step4"}
+            assert point["ratios"] == {}
+        assert set(point["runs"]) == engines
+        for engine, runs in point["runs"].items():
+            assert len(runs) == 2
+            for r in runs:
+                assert r["requests"] == b and r["generated_tokens"] == b * n
+                assert r["throughput_tok_s"] == pytest.approx(b * n / r["wall_s"])
+                assert r["ms_per_token"] == pytest.approx(1e3 * r["wall_s"] / n)
+            assert point["median"][engine]["share_of_memory_floor"] > 0
+        floor = point["memory_floor"]
+        assert floor["weight_bytes"] == 4 * model["parameters"] and floor["throughput_tok_s"] > 0
+
+    # the profile: the top functions of step 4's engine, by own and by cumulative time
+    prof = model["profile"]
+    assert prof["requests"] == 2 and prof["steps"] == 3 and len(prof["top_tottime"]) == 5
+    own = [r["tottime_s"] for r in prof["top_tottime"]]
+    assert own == sorted(own, reverse=True)
+    assert any("step4_paged_continuous/engine.py" in r["function"] for r in prof["top_cumtime"])
+
+    report = gpu.report(written)
+    assert "memory floor" in report and "profile" in report
+
+    # --replot: the PNG again from the JSON, nothing measured
+    (tmp_path / "gpu-cpu.png").unlink()
+    harness.replot("gpu", "cpu", gpu.plot, gpu.report, out_dir=tmp_path)
+    assert (tmp_path / "gpu-cpu.png").stat().st_size > 0

@@ -1,7 +1,9 @@
-"""The engines on a CUDA GPU give the CPU's answers. Skipped without CUDA (CI has none).
+"""The engines on a CUDA GPU give the CPU's answers, and keep the GPU fed. Skipped without CUDA (CI has none).
 
 fp32 on the GPU: greedy ids identical to the CPU's. fp16 (README.md's tier): at the first token where the
 fp16 run and the fp32 reference differ, each side's token is among the other side's top-5 candidates.
+Host synchronisation: one engine step of the batching engines (steps 3 and 4) waits for the GPU exactly
+once, when the sampled ids of the whole batch come back (SYNC_BUDGET).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def test_fp32_gpu_greedy_equals_cpu(step, demo_snapshot):
     cpu = module.LLM(model=str(demo_snapshot)).generate(PROMPTS, params)
     gpu = module.LLM(model=str(demo_snapshot), device="cuda").generate(PROMPTS, params)
     for a, b in zip(cpu, gpu):
-        assert a.token_ids == b.token_ids
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -35,7 +37,7 @@ def test_seeded_sampling_on_gpu_is_reproducible(step, demo_snapshot):
     module = importlib.import_module(step)
     llm = module.LLM(model=str(demo_snapshot), device="cuda")
     params = module.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=3)
-    assert llm.generate(PROMPTS, params)[0].text == llm.generate(PROMPTS, params)[0].text
+    assert llm.generate(PROMPTS, params)[0].outputs[0].text == llm.generate(PROMPTS, params)[0].outputs[0].text
 
 
 def top5_agree(step, demo_snapshot, dtype: str) -> None:
@@ -44,19 +46,59 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
     low = module.LLM(model=str(demo_snapshot), device="cuda", dtype=dtype)
     params = module.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     for prompt, a, b in zip(PROMPTS, reference.generate(PROMPTS, params), low.generate(PROMPTS, params)):
-        if a.token_ids == b.token_ids:
+        if a.outputs[0].token_ids == b.outputs[0].token_ids:
             continue
-        i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
-        prefix = reference.tokenizer.encode(prompt) + a.token_ids[:i]
+        i = next(i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x != y)
+        prefix = reference.tokenizer.encode(prompt) + a.outputs[0].token_ids[:i]
         ids = torch.tensor([prefix], device="cuda")
         ref_model = importlib.import_module("step0_model").GPT.from_pretrained(str(demo_snapshot), device="cuda")
         with torch.inference_mode():
             ref_top = ref_model(ids)[0, -1].topk(5).indices.tolist()
             low_top = ref_model.to(low.model.wte.weight.dtype)(ids)[0, -1].topk(5).indices.tolist()
-        assert b.token_ids[i] in ref_top and a.token_ids[i] in low_top, (prompt, i)
+        assert b.outputs[0].token_ids[i] in ref_top and a.outputs[0].token_ids[i] in low_top, (prompt, i)
 
 
 @pytest.mark.parametrize("step", ["step2_kvcache", "step4_paged_continuous"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_agrees_in_top5(step, dtype, demo_snapshot):
     top5_agree(step, demo_snapshot, dtype)
+
+
+SYNC_BUDGET = 1  # per engine step: the one .tolist() of the batch's sampled ids (and logprobs, packed with them)
+
+
+def syncs_in_one_step(engine) -> int:
+    """How many times one ``engine.step()`` makes the host wait for the GPU (torch's sync debug mode warns
+    at each such call)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("step", ["step3_static_batch", "step4_paged_continuous"])
+def test_one_host_sync_per_engine_step(step, demo_snapshot):
+    module = importlib.import_module(step)
+    llm = module.LLM(model=str(demo_snapshot), device="cuda")
+    engine = llm.engine
+    mixed = [
+        module.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        module.SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+        module.SamplingParams(max_tokens=40, temperature=1.0, top_k=20, repetition_penalty=1.2, ignore_eos=True),
+        module.SamplingParams(max_tokens=40, temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True),
+    ]
+    for i, (prompt, params) in enumerate(zip(PROMPTS, mixed)):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()  # the prefill; warm-up
+    engine.step()
+    counts = [syncs_in_one_step(engine) for _ in range(5)]  # decode steps
+    assert counts == [SYNC_BUDGET] * 5, counts
+    engine.add_request("late", PROMPTS[0], module.SamplingParams(max_tokens=5, temperature=0, logprobs=2))
+    assert syncs_in_one_step(engine) == SYNC_BUDGET  # with a request asking for logprobs (step 4: and a prefill)

@@ -4,6 +4,7 @@ does not change stays byte-identical), the cross-step chain of greedy outputs, a
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import re
 import shlex
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = sorted((p for p in ROOT.glob("step[0-9]*_*") if p.is_dir()), key=lambda p: int(p.name[4:].split("_")[0]))
@@ -20,15 +22,28 @@ GENERATING_STEPS = [s for s in STEPS if s.name != "step0_model"]
 # Files that a step does not change, by step: they must equal the previous step's byte for byte.
 UNCHANGED_FROM_PREVIOUS = {
     "step1_generate": ["model.py"],
-    "step2_kvcache": ["sampling.py", "__main__.py", "test_generate.py"],
-    "step3_static_batch": ["sampling.py", "test_generate.py"],
-    "step4_paged_continuous": ["sampling.py", "test_generate.py"],
+    "step2_kvcache": ["sampling.py", "sequence.py", "llm.py", "__main__.py", "test_generate.py", "test_sampling.py"],
+    "step3_static_batch": ["sampling.py", "sequence.py", "llm.py", "test_generate.py", "test_sampling.py"],
+    "step4_paged_continuous": ["sampling.py", "sequence.py", "llm.py", "test_generate.py", "test_sampling.py"],
+    "step5_flash_gpu": [
+        "sampling.py", "sequence.py", "llm.py", "scheduler.py", "block_manager.py", "kv_cache.py",
+        "test_generate.py", "test_sampling.py",
+    ],
+    # the server changes no engine file: step 6 is step 5's engine behind HTTP
+    "step6_server": [
+        "sampling.py", "sequence.py", "llm.py", "scheduler.py", "block_manager.py", "kv_cache.py", "model.py",
+        "model_runner.py", "engine.py", "kernels.py",
+    ],
 }
+# One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
+# file named for its mechanism.
+CONCEPT_FILES = ["sampling.py", "sequence.py", "model.py", "model_runner.py", "engine.py", "llm.py", "__main__.py"]
 
 
 def test_layout():
-    assert [s.name for s in STEPS[:5]] == [
+    assert [s.name for s in STEPS] == [
         "step0_model", "step1_generate", "step2_kvcache", "step3_static_batch", "step4_paged_continuous",
+        "step5_flash_gpu", "step6_server",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
@@ -37,6 +52,58 @@ def test_layout():
     assert sorted(p.name for p in (ROOT / "common").glob("*.py")) == ["__init__.py", "tokenizer.py", "weights.py"]
     for name in ("README.md", "requirements.txt", ".ci/run", "pytest.ini", "benchmarks/README.md"):
         assert (ROOT / name).is_file(), name
+
+
+@pytest.mark.parametrize("step", GENERATING_STEPS, ids=lambda s: s.name)
+def test_one_file_per_serving_concept(step):
+    for name in CONCEPT_FILES:
+        assert (step / name).is_file(), f"{step.name}/{name}"
+    if "engine.py" not in UNCHANGED_FROM_PREVIOUS.get(step.name, []):  # a new engine is tested anew
+        assert (step / "test_generate.py").is_file() and (step / "test_sampling.py").is_file()
+
+
+def relative_imports(path: Path) -> set[str]:
+    """The modules of its own package that a module imports (``from .x import y`` -> "x")."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+    return found
+
+
+def find_import_circle(folder: Path) -> list[str] | None:
+    """A chain of modules of one package that leads back to its start, or None (depth-first search)."""
+    graph = {p.stem: relative_imports(p) for p in folder.glob("*.py") if not p.name.startswith("test_")}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done or module not in graph:
+            return None
+        for imported in sorted(graph[module]):
+            if circle := visit(imported, path + [module]):
+                return circle
+        done.add(module)
+        return None
+
+    return next((circle for module in sorted(graph) if (circle := visit(module, []))), None)
+
+
+@pytest.mark.parametrize("step", STEPS, ids=lambda s: s.name)
+def test_no_import_circle_inside_a_step(step):
+    circle = find_import_circle(step)
+    assert circle is None, f"import circle in {step.name}: {' -> '.join(circle)}"
+
+
+def test_an_import_circle_is_found(tmp_path):
+    (tmp_path / "a.py").write_text("from .b import x\n")
+    (tmp_path / "b.py").write_text("from .c import y\n")
+    (tmp_path / "c.py").write_text("from . import a\n")
+    assert find_import_circle(tmp_path) == ["a", "b", "c", "a"]
 
 
 @pytest.mark.parametrize("step", STEPS, ids=lambda s: s.name)
@@ -64,11 +131,11 @@ def test_greedy_chain_across_steps(demo_snapshot):
     """Every generating step gives the same greedy ids for the same prompts (README.md: step N vs N-1)."""
     prompts = ["The Python interpreter", "x", "A list comprehension is a concise way to"]
     results = {}
-    for step in GENERATING_STEPS:
+    for step in GENERATING_STEPS:  # step 6's engine is step 5's, byte for byte
         module = importlib.import_module(step.name)
         llm = module.LLM(model=str(demo_snapshot))
         outs = llm.generate(prompts, module.SamplingParams(max_tokens=20, temperature=0))
-        results[step.name] = [o.token_ids for o in outs]
+        results[step.name] = [o.outputs[0].token_ids for o in outs]
     first = results[GENERATING_STEPS[0].name]
     assert all(len(ids) > 0 for ids in first)
     for name, ids in results.items():
@@ -80,7 +147,8 @@ def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, flags=re.S)
     commands = [line.strip() for block in blocks for line in block.splitlines()]
-    return [c for c in commands if c.startswith("python -m step") and "--model gpt2" not in c and "--model distil" not in c]
+    offline = [c for c in commands if c.startswith("python -m step") and "--model gpt2" not in c and "--model distil" not in c]
+    return [c for c in offline if "--device cuda" not in c or torch.cuda.is_available()]
 
 
 def test_readme_has_offline_commands():
@@ -94,3 +162,35 @@ def test_readme_command_runs(command):
     result = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def code_files(step: Path) -> dict[str, list[str]]:
+    """A step's code as diffed in the README's table: every file but tests, READMEs and caches."""
+    return {
+        str(p.relative_to(step)): p.read_text().splitlines()
+        for p in sorted(step.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith("test_") and p.name != "README.md"
+    }
+
+
+def changed_lines(a: Path, b: Path) -> int:
+    """Lines added plus lines removed going from step a to step b (what `diff -ruN` marks + or -)."""
+    old, new = code_files(a), code_files(b)
+    total = 0
+    for name in sorted(old.keys() | new.keys()):
+        for line in difflib.unified_diff(old.get(name, []), new.get(name, []), lineterm="", n=0):
+            if line[:1] in "+-" and not line.startswith(("+++", "---")):
+                total += 1
+    return total
+
+
+def readme_diff_table() -> dict[tuple[str, str], int]:
+    rows = re.findall(r"^\| `?(step\w+)`? -> `?(step\w+)`? \| (\d[\d,]*) \|", (ROOT / "README.md").read_text(), flags=re.M)
+    return {(a, b): int(n.replace(",", "")) for a, b, n in rows}
+
+
+def test_readme_diff_table_is_current():
+    """README.md's table of changed code lines per transition matches the steps as they are."""
+    table = readme_diff_table()
+    expected = {(a.name, b.name): changed_lines(a, b) for a, b in zip(STEPS, STEPS[1:])}
+    assert table == expected

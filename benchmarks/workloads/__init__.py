@@ -180,6 +180,17 @@ def requests(workload: dict, vocab_size: int, context_window: int | None = None)
     return out
 
 
+def equal(num_requests: int, prompt_tokens: int, max_tokens: int, token_id_seed: int) -> dict:
+    """``num_requests`` requests of one length, all at time 0, in the layout of the committed files (named
+    ``equal-<num_requests>``; ``requests()`` draws their prompt ids from ``token_id_seed``)."""
+    return {
+        "name": f"equal-{num_requests}",
+        "token_id_seed": token_id_seed,
+        "requests": [{"index": i, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "arrival_s": 0.0}
+                     for i in range(num_requests)],
+    }
+
+
 def summary(workload: dict) -> dict:
     """Totals of a workload, for tables and the JSON: requests, prompt and max_tokens sums and ranges."""
     rs = workload["requests"]

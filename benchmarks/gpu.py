@@ -1,0 +1,429 @@
+"""Steps 2 to 5 on a GPU against Hugging Face's generate: what each stage buys where serving happens.
+
+End to end through each engine's ``LLM.generate`` (token ids in, token ids out, the engine's own Python
+included), on GPT-2 124M's shape with random weights (``gpt2-124m-random``), greedy, ``ignore_eos`` (every
+request generates exactly its max_tokens), B requests of one length submitted at once, prompts of random
+token ids from fixed seeds, for B = 1, 8, 64, 256 and two workloads, ``short`` (a 32-token prompt, 128
+generated) and ``long`` (512 + 256). ``MATRIX`` says what runs in which dtype: fp16, the serving dtype,
+both workloads, every engine; fp32, the CPU benchmarks' dtype, ``short`` only; bf16, ``short`` on step 4
+and step 5 only. (fp32 on ``long`` and bf16 on ``long`` would add about 2 and 2.5 minutes to a run that
+takes about 8 on an H200: 10 minutes is the most one command may take there.) Engines:
+
+- ``hf``: transformers ``GPT2LMHeadModel.generate`` on the B requests as one batch (left padding, an
+  attention mask, ``use_cache=True``, ``max_new_tokens = min_new_tokens``, ``torch.inference_mode``);
+- ``step2``: ``step2_kvcache.LLM``, one request at a time: at B = 1 only;
+- ``step3``: ``step3_static_batch.LLM(max_batch_size=B)``: one static batch of B;
+- ``step4``: ``step4_paged_continuous.LLM(max_num_seqs=B, block_size=16, num_kv_blocks = B x the blocks of
+  the longest request of both workloads)``: every request runs at once and nothing is preempted;
+- ``step5``: ``step5_flash_gpu.LLM`` with step 4's arguments, where that package exists (else skipped,
+  and the JSON says so).
+
+Each point starts with a whole untimed run of every engine, not a short one: in fp16 and bf16, PyTorch
+2.11's default attention backend on an H200 (cuDNN's, through ``F.scaled_dot_product_attention``) builds a
+plan for every new shape, and a decode step brings a new KV length: a first run of 128 tokens took 48 to
+53 ms per token where later runs took 4 to 9 (step 2 and HF at B = 1; with ``enable_cudnn_sdp(False)`` the
+first run is as fast as the others). ``machine.sdpa_backends_enabled`` records the backends.
+
+Figures per run: the call's wall time (the device synchronised before and after), generated tokens,
+throughput (all generated tokens / wall) and ms per token (wall / the tokens of one request: at B = 1
+the time per token one user sees). Beside them, the memory floor: a decode step reads every weight once
+and the KV cache of every running request, so B tokens cost at least (weight bytes + B x KV bytes at the
+mean context) / the copy bandwidth measured at the start (``harness.copy_bandwidth``); the JSON gives
+each engine's throughput as a share of that floor (compute, prefill and launch overheads are not in it).
+
+Then a profile: cProfile over 64 ``step()`` calls of step 4's engine at B = 256 (short workload, fp16,
+counted from the requests' submission: the prefills, then decodes), the 25 functions with the most own
+time and the 25 with the most cumulative time, to set beside a later engine's (where the Python goes).
+
+    python -m benchmarks gpu --device cuda    # on one H200: about 8 minutes
+    python -m benchmarks gpu --quick          # on the CPU, tiny sizes, fp32, B = 1 and 4: checks that it works
+"""
+
+from __future__ import annotations
+
+import cProfile
+import dataclasses
+import gc
+import importlib
+import importlib.util
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from common.weights import load_config
+
+from . import harness, serving, workloads
+from .models import hf_model, snapshot
+
+NAME = "gpu"
+DEFAULT_MODELS = ["gpt2-124m-random"]
+DEFAULT_RUNS = 3
+BATCH_SIZES = [1, 8, 64, 256]
+WORKLOADS = {"short": {"prompt_tokens": 32, "max_tokens": 128}, "long": {"prompt_tokens": 512, "max_tokens": 256}}
+ENGINE_NAMES = ("hf", "step2", "step3", "step4", "step5")
+# dtype -> workload -> the engines that run it (step5 where its package exists)
+MATRIX = {
+    "float16": {"short": ENGINE_NAMES, "long": ENGINE_NAMES},
+    "float32": {"short": ENGINE_NAMES},
+    "bfloat16": {"short": ("step4", "step5")},
+}
+STEP_PACKAGES = {"step2": "step2_kvcache", "step3": "step3_static_batch", "step4": "step4_paged_continuous",
+                 "step5": "step5_flash_gpu"}
+STEP2_MAX_BATCH = 1  # step 2 serves one request at a time: it runs at B = 1 only
+BLOCK_SIZE = 16
+TOKEN_ID_SEED = 3000
+PROFILE = {"engine": "step4", "dtype": "float16", "batch_size": 256, "workload": "short", "steps": 64, "top": 25}
+QUICK = {
+    "batch_sizes": [1, 4],
+    "workloads": {"short": {"prompt_tokens": 8, "max_tokens": 8}, "long": {"prompt_tokens": 32, "max_tokens": 16}},
+    "matrix": {"float32": {"short": ENGINE_NAMES, "long": ENGINE_NAMES}},
+    "profile": {**PROFILE, "dtype": "float32", "batch_size": 4, "steps": 8},
+}
+CONFIG_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "head_dim")
+ENGINES = {
+    "hf": "transformers GPT2LMHeadModel.generate(do_sample=False, use_cache=True, max_new_tokens = min_new_tokens "
+    "= max_tokens) on the B requests as one batch, left padding + attention_mask; torch.inference_mode",
+    "step2": "step2_kvcache.LLM.generate: one request at a time (B = 1 only)",
+    "step3": "step3_static_batch.LLM(max_batch_size=B).generate: one static batch",
+    "step4": f"step4_paged_continuous.LLM(max_num_seqs=B, block_size={BLOCK_SIZE}, num_kv_blocks = B x the blocks of "
+    "the longest request of all workloads; max_num_batched_tokens: the engine's default).generate: no preemption",
+    "step5": "step5_flash_gpu.LLM with step4's arguments (attention_backend: its default).generate",
+}
+
+
+def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False) -> dict:
+    """The CLI entry (``python -m benchmarks gpu --device cuda``): the full or quick workloads on each model."""
+    if quick:
+        return run(models or DEFAULT_MODELS, device, runs=1, batch_sizes=QUICK["batch_sizes"],
+                   lengths=QUICK["workloads"], matrix=QUICK["matrix"], profile=QUICK["profile"], quick=True)
+    return run(models or DEFAULT_MODELS, device, runs=runs)
+
+
+def run(
+    models: list[str],
+    device: str = "cuda",
+    runs: int = DEFAULT_RUNS,
+    batch_sizes: list[int] = BATCH_SIZES,
+    lengths: dict[str, dict] = WORKLOADS,
+    matrix: dict[str, dict[str, tuple[str, ...]]] = MATRIX,
+    profile: dict | None = PROFILE,
+    quick: bool = False,
+    out_dir: Path = harness.RESULTS,
+) -> dict:
+    """Every workload, dtype and batch size on each model; write ``<out_dir>/gpu-<device>.json`` and ``.png``.
+
+    models: benchmark model names or snapshot folders. runs: measured runs per point, after a warm-up.
+    batch_sizes: the B of each point (step 2 runs at B = 1 only). lengths: workload name -> {"prompt_tokens",
+    "max_tokens"} of every request. matrix: dtype -> workload name -> the engines that run it (step5 only
+    where its package exists). profile: the cProfile run ({"engine", "dtype", "batch_size", "workload", "steps", "top"};
+    None: no profile); it runs where its dtype and batch size come up. Returns the result dict that was
+    written (see benchmarks/README.md for its layout).
+    """
+    started = time.perf_counter()
+    result = {
+        "benchmark": NAME,
+        "machine": {**harness.machine_info(device, ", ".join(matrix)),
+                    "copy_bandwidth_bytes_per_s": harness.copy_bandwidth(device),
+                    "sdpa_backends_enabled": {b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")()
+                                              for b in ("cudnn", "flash", "mem_efficient", "math")}},
+        "workload": {
+            "sampling": "greedy (temperature 0), ignore_eos: every request generates exactly max_tokens",
+            "batch_sizes": batch_sizes,
+            "workloads": {name: {**w, "requests": "B per point, all submitted at once; prompt ids: "
+                                 f"torch.Generator().manual_seed({TOKEN_ID_SEED} + i), uniform in [0, vocab_size - 1)"}
+                          for name, w in lengths.items()},
+            "matrix": {dtype: {wname: list(engines) for wname, engines in by_workload.items()}
+                       for dtype, by_workload in matrix.items()},
+            "step2_max_batch": STEP2_MAX_BATCH,
+            "runs": runs,
+            "warmup": "before each point, every engine once on the same requests, untimed: every shape of the point "
+            "seen once (cuDNN's attention plans a new shape on its first call)",
+            "quick": quick,
+            "engines": ENGINES,
+            "profile": profile,
+            "memory_floor": "a decode step of B requests reads every weight once and each request's KV cache at the "
+            "mean context (prompt + max_tokens / 2): B / ((weight bytes + B x KV bytes) / copy bandwidth) tok/s",
+            "timing": "time.perf_counter around the whole generate call, torch.cuda.synchronize before and after; "
+            "engines alternated within each run (order rotated per run); medians over runs; ratios are medians "
+            "of per-run ratios",
+        },
+        "models": {},
+    }
+
+    def run(name: str) -> dict:
+        return bench_model(name, device, runs, batch_sizes, lengths, matrix, profile,
+                           result["machine"]["copy_bandwidth_bytes_per_s"])
+
+    harness.run_models(result, models, run)
+    return harness.finish(NAME, device, result, started, plot, report, out_dir)
+
+
+def step_modules() -> tuple[dict[str, object], dict[str, str]]:
+    """The step packages that exist, imported (name -> module), and those skipped (name -> why)."""
+    modules, skipped = {}, {}
+    for name, package in STEP_PACKAGES.items():
+        if importlib.util.find_spec(package) is None:
+            skipped[name] = f"the package {package} does not exist (yet)"
+        else:
+            modules[name] = importlib.import_module(package)
+    return modules, skipped
+
+
+def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], lengths: dict[str, dict],
+                matrix: dict[str, dict[str, tuple[str, ...]]], profile: dict | None, bandwidth: float) -> dict:
+    """Every point on one model: every run's figures, their medians, the ratios, the floor, the profile."""
+    import transformers
+
+    modules, skipped = step_modules()
+    folder = snapshot(name)
+    config = load_config(folder)
+    with torch.device("meta"):  # shapes only, no memory: the parameter count (the tied lm_head counted once)
+        hf_config = transformers.GPT2Config.from_pretrained(folder)
+        parameters = sum(p.numel() for p in transformers.GPT2LMHeadModel(hf_config).parameters())
+    longest = max(w["prompt_tokens"] + w["max_tokens"] for w in lengths.values())
+    blocks_per_seq = -(-longest // BLOCK_SIZE)
+    out = {"snapshot": str(folder), "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
+           "parameters": parameters, "skipped": skipped, "points": []}
+
+    for dtype, by_workload in matrix.items():
+        engines = {e for wanted in by_workload.values() for e in wanted if e == "hf" or e in modules}
+        item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        hf = hf_model(folder, device, dtype) if "hf" in engines else None
+        step2 = modules["step2"].LLM(model=str(folder), device=device, dtype=dtype) if "step2" in engines else None
+        for b in batch_sizes:
+            llms = {"step2": step2} if step2 is not None and b <= STEP2_MAX_BATCH else {}
+            if "step3" in engines:
+                llms["step3"] = modules["step3"].LLM(model=str(folder), device=device, dtype=dtype, max_batch_size=b)
+            for e in ("step4", "step5"):
+                if e in engines:
+                    llms[e] = modules[e].LLM(model=str(folder), device=device, dtype=dtype, block_size=BLOCK_SIZE,
+                                             max_num_seqs=b, num_kv_blocks=b * blocks_per_seq)
+            for wname, wanted in by_workload.items():
+                w = lengths[wname]
+                print(f"  {dtype}, B = {b}, {wname}: {w['prompt_tokens']} + {w['max_tokens']} tokens", end="", flush=True)
+                equal = workloads.equal(b, w["prompt_tokens"], w["max_tokens"], TOKEN_ID_SEED)
+                reqs = workloads.requests(equal, config.vocab_size, config.n_positions)
+                point_started = time.perf_counter()
+                point = measure(hf if "hf" in wanted else None, {e: llm for e, llm in llms.items() if e in wanted},
+                                modules, reqs, b, runs, device)
+                print(": " + ", ".join(f"{e} {m['throughput_tok_s']:.0f}" for e, m in point["median"].items())
+                      + f" tok/s ({time.perf_counter() - point_started:.1f} s)", flush=True)
+                floor = memory_floor(parameters, config, item, b, w, bandwidth)
+                for e, m in point["median"].items():
+                    m["share_of_memory_floor"] = m["throughput_tok_s"] / floor["throughput_tok_s"]
+                out["points"].append({"workload": wname, "dtype": dtype, "batch_size": b, **point,
+                                      "memory_floor": floor})
+            if profile and (dtype, b) == (profile["dtype"], profile["batch_size"]) and profile["engine"] in llms:
+                w = lengths[profile["workload"]]
+                equal = workloads.equal(b, w["prompt_tokens"], w["max_tokens"], TOKEN_ID_SEED)
+                print(f"  profile: {profile['engine']}, {profile['steps']} steps", flush=True)
+                out["profile"] = profile_engine(llms[profile["engine"]].engine, modules[profile["engine"]],
+                                                workloads.requests(equal, config.vocab_size), profile["steps"],
+                                                profile["top"], device)
+            del llms
+            free(device)
+        del hf, step2
+        free(device)
+    return out
+
+
+def measure(hf, llms: dict, modules: dict, reqs: list[workloads.Request], b: int, runs: int, device: str) -> dict:
+    """One point: the engines (``hf`` if given, and ``llms``: step name -> its ``LLM``) each run once on the
+    requests untimed, then alternated over ``runs`` runs."""
+    calls = {"hf": lambda: hf_figures(serving.run_hf(hf, reqs, b, device))} if hf is not None else {}
+    calls |= {e: lambda e=e, llm=llm: time_generate(llm, modules[e], reqs, device) for e, llm in llms.items()}
+    raw = harness.alternate(calls, runs, warmup=1)
+    ratios = {f"{e}/hf": (e, "hf", "throughput_tok_s") for e in raw if e != "hf" and "hf" in raw}
+    if {"step4", "step5"} <= set(raw):
+        ratios["step5/step4"] = ("step5", "step4", "throughput_tok_s")
+    return serving.compare(raw, ratios)
+
+
+def figures(wall_s: float, generated: list[int]) -> dict:
+    """One run's figures from its wall time and the tokens each request generated."""
+    return {"wall_s": wall_s, "requests": len(generated), "generated_tokens": sum(generated),
+            "throughput_tok_s": sum(generated) / wall_s, "ms_per_token": 1e3 * wall_s / max(generated)}
+
+
+def hf_figures(run: dict) -> dict:
+    """``figures`` of a ``serving.run_hf`` run (generate returns exactly max_tokens per row: min_new_tokens)."""
+    return figures(run["wall_s"], [r["generated_tokens"] for r in run["requests"]])
+
+
+def time_generate(llm, module, reqs: list[workloads.Request], device: str) -> dict:
+    """The requests through a step's ``LLM.generate`` in one call, timed with the device synchronised."""
+    params = [serving.params_for(module, r) for r in reqs]
+    prompts = [r.prompt_token_ids for r in reqs]
+    wall, outs = harness.timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params), device)
+    return figures(wall, [len(out.outputs[0].token_ids) for out in outs])
+
+
+def memory_floor(parameters: int, config, element_size: int, b: int, workload: dict, bandwidth: float) -> dict:
+    """The least time a decode step of ``b`` requests can take on this memory: it reads every weight once
+    and each request's KV cache at the workload's mean context (prompt + max_tokens / 2), bytes moved over
+    the measured copy bandwidth (bytes / s). Returns the bytes per step, and the throughput (tok/s) and
+    ms per token that this allows."""
+    weight_bytes = parameters * element_size
+    kv_bytes = 2 * config.n_layer * config.n_embd * element_size * (workload["prompt_tokens"] + workload["max_tokens"] / 2)
+    step_s = (weight_bytes + b * kv_bytes) / bandwidth
+    return {"bytes_per_step": weight_bytes + b * kv_bytes, "weight_bytes": weight_bytes,
+            "kv_bytes_per_request": kv_bytes, "throughput_tok_s": b / step_s, "ms_per_token": 1e3 * step_s}
+
+
+def profile_engine(engine, module, reqs: list[workloads.Request], steps: int, top: int, device: str) -> dict:
+    """cProfile over ``steps`` calls of ``engine.step()`` (an ``LLMEngine`` of step 4 on), counted from the
+    submission of ``reqs`` (as ``LLM.generate`` submits them: outputs only when finished), the device
+    synchronised at the end. The requests left are aborted afterwards. Returns the steps, the wall time
+    under the profiler (inflated by it), and the ``top`` functions by own time and by cumulative time."""
+    for i, r in enumerate(reqs):
+        params = dataclasses.replace(serving.params_for(module, r), output_kind=module.RequestOutputKind.FINAL_ONLY)
+        engine.add_request(f"profile-{i}", r.prompt_token_ids, params)
+    profiler = cProfile.Profile()
+    done = 0
+    harness.synchronize(device)
+    start = time.perf_counter()
+    profiler.enable()
+    while done < steps and engine.has_unfinished_requests():
+        engine.step()
+        done += 1
+    harness.synchronize(device)
+    profiler.disable()
+    wall = time.perf_counter() - start
+    stats = engine.stats
+    for i in range(len(reqs)):
+        engine.abort_request(f"profile-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {
+        "requests": len(reqs),
+        "steps": done,
+        "wall_s_profiled": wall,
+        "running_at_end": stats.num_running_reqs,
+        "top_tottime": top_functions(profiler, "tottime", top),
+        "top_cumtime": top_functions(profiler, "cumtime", top),
+    }
+
+
+def top_functions(profiler: cProfile.Profile, key: str, n: int) -> list[dict]:
+    """The ``n`` functions with the largest ``key`` ("tottime": own time, "cumtime": with callees), as
+    {"function" (file:line(name), the file relative to the repository or to site-packages), "calls",
+    "primitive_calls", "tottime_s", "cumtime_s"}."""
+    root = str(Path(__file__).resolve().parent.parent) + "/"
+    rows = []
+    for (file, line, func), (primitive, calls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
+        file = file.removeprefix(root).split("site-packages/")[-1]
+        rows.append({"function": f"{file}:{line}({func})" if line else func, "calls": calls,
+                     "primitive_calls": primitive, "tottime_s": tottime, "cumtime_s": cumtime})
+    return sorted(rows, key=lambda r: r[f"{key}_s"], reverse=True)[:n]
+
+
+def free(device: str) -> None:
+    """Give the memory of dropped engines back, so that the next batch size's engines fit."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def report(result: dict) -> str:
+    """The readable summary printed at the end: per model, per workload and dtype, a table of ms per token
+    at B = 1 and tok/s at every B; then the profile's top functions."""
+    lines = []
+    machine, w = result["machine"], result["workload"]
+    lines.append(f"gpu on {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
+                 f"transformers {machine['transformers']}, copy bandwidth "
+                 f"{machine['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {w['runs']} run(s), medians")
+    for name, model in result["models"].items():
+        lines.append(f"\n## {name}: {model['parameters'] / 1e6:.1f}M parameters")
+        for engine, why in model["skipped"].items():
+            lines.append(f"({engine} skipped: {why})")
+        for (wname, dtype), points in panels(model).items():
+            wl = w["workloads"][wname]
+            sizes = [p["batch_size"] for p in points]
+            lines.append(f"\n{wname} ({wl['prompt_tokens']} + {wl['max_tokens']} tokens), {dtype}: ms/token at B = 1, "
+                         "tok/s at each B (share of the memory floor at the largest B)")
+            rows = []
+            for engine in engines_of(points):
+                by_b = {p["batch_size"]: p["median"].get(engine) for p in points}
+                one = by_b.get(1)
+                last = next((by_b[b] for b in reversed(sizes) if by_b[b]), None)
+                rows.append([engine, one and one["ms_per_token"],
+                             *[by_b[b] and by_b[b]["throughput_tok_s"] for b in sizes],
+                             f"{100 * last['share_of_memory_floor']:.0f}%" if last else None])
+            floor = [p["memory_floor"] for p in points]
+            rows.append(["memory floor", floor[0]["ms_per_token"] if sizes[0] == 1 else None,
+                         *[f["throughput_tok_s"] for f in floor], None])
+            lines.append(harness.table(["engine", "ms/token B=1", *[f"tok/s B={b}" for b in sizes], "of floor"], rows))
+            ratios = points[-1]["ratios"]
+            if ratios:
+                lines.append(f"throughput at B = {sizes[-1]}, medians of per-run ratios: "
+                             + ", ".join(f"{label} {r['median']:.2f}x" for label, r in ratios.items()))
+        prof = model.get("profile")
+        if prof:
+            p = w["profile"]
+            lines.append(f"\nprofile: {p['engine']}, {p['dtype']}, B = {prof['requests']}, {prof['steps']} steps of "
+                         f"{p['workload']} ({prof['wall_s_profiled']:.2f} s under cProfile), top 10 by own time")
+            lines.append(harness.table(["function", "calls", "tottime s", "cumtime s"],
+                                       [[r["function"][-70:], r["calls"], r["tottime_s"], r["cumtime_s"]]
+                                        for r in prof["top_tottime"][:10]]))
+    return "\n".join(lines)
+
+
+def panels(model: dict) -> dict[tuple[str, str], list[dict]]:
+    """The points grouped by (workload, dtype), in the order they ran, each group ordered by B."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for p in model["points"]:
+        out.setdefault((p["workload"], p["dtype"]), []).append(p)
+    return {k: sorted(v, key=lambda p: p["batch_size"]) for k, v in out.items()}
+
+
+def engines_of(points: list[dict]) -> list[str]:
+    """The engines that ran at any of the points, in ``ENGINE_NAMES`` order."""
+    return [e for e in ENGINE_NAMES if any(e in p["median"] for p in points)]
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Per model, one panel per workload and dtype: throughput against B (log-log) for every engine, the
+    memory floor dashed; each engine's ms per token at B = 1 in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    colors = {"hf": "C7", "step2": "C0", "step3": "C1", "step4": "C2", "step5": "C3"}
+    grid = [(name, key, points) for name, model in result["models"].items() for key, points in panels(model).items()]
+    ncols = min(3, len(grid))
+    nrows = -(-len(grid) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(grid):]:
+        ax.set_axis_off()
+    for ax, (name, (wname, dtype), points) in zip(axes.flat, grid):
+        values = []
+        for engine in engines_of(points):
+            pts = [p for p in points if engine in p["median"]]
+            ys = [p["median"][engine]["throughput_tok_s"] for p in pts]
+            values += ys
+            one = next((p["median"][engine]["ms_per_token"] for p in pts if p["batch_size"] == 1), None)
+            label = engine if one is None else f"{engine} ({one:.3g} ms/token at B=1)"
+            ax.plot([p["batch_size"] for p in pts], ys, marker="o", label=label, color=colors[engine])
+        sizes = [p["batch_size"] for p in points]
+        floor = [p["memory_floor"]["throughput_tok_s"] for p in points]
+        ax.plot(sizes, floor, linestyle="--", color="k", linewidth=1, label="memory floor (bytes / copy bandwidth)")
+        wl = result["workload"]["workloads"][wname]
+        ax.set(xscale="log", yscale="log", xlabel="B (requests at once)", ylabel="generated tokens / s",
+               title=f"{name}: {wname}, {wl['prompt_tokens']} + {wl['max_tokens']} tokens, {dtype}")
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        harness.log_axis(ax.yaxis, values + floor)
+        ax.grid(which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    machine = result["machine"]
+    fig.suptitle(f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
+                 f"median of {result['workload']['runs']} run(s)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,81 @@
+"""The model runner: one step's sequences in, their next tokens out (vLLM's name).
+
+It turns the sequences that run in this step into the model's input tensors, runs the forward pass,
+and samples one token per sequence from the logits. This step keeps a KV cache: the prompt goes through
+the model once (prefill), filling the cache, and every later forward pass takes only the newest token
+(decode), reading the others' keys and values from the cache. Generating n tokens after a prompt of p
+tokens costs p + n token positions instead of step 1's p + (p+1) + ... + (p+n-1).
+
+Static batching: the sequences of a batch run together, one row each. Their prompts are left-padded to
+the longest one (the model masks the padding out), and the batch keeps its rows until the last one
+has finished: a finished row still feeds its last token, computed for nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.tokenizer import Tokenizer
+
+from .kv_cache import KVCache
+from .model import GPT
+from .sampling import Logprob, sample
+from .sequence import Sequence
+
+
+class ModelRunner:
+    """Runs ``model`` on ``device`` for the sequences the engine picks, and samples their next tokens."""
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer, device: torch.device):
+        self.model = model
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.device = device
+        self.kv_cache: KVCache | None = None  # the running batch's
+        self.num_pads: list[int] = []  # left-padding positions of each row of the running batch
+
+    def allocate_kv_cache(self, seqs: list[Sequence]) -> None:
+        """A new, empty KV cache for the batch that starts now: one row per sequence, the prompts left-padded
+        to the longest, room for the longest-running row's prompt + max_tokens."""
+        longest = max(len(seq) for seq in seqs)
+        self.num_pads = [longest - len(seq) for seq in seqs]
+        capacity = longest + max(seq.max_len - len(seq) for seq in seqs)
+        self.kv_cache = KVCache(self.config, capacity, self.device, self.model.wte.weight.dtype, batch_size=len(seqs))
+        self.num_pads_t = self.to_device(self.num_pads) if any(self.num_pads) else None  # [B], None: no padding
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs, if asked for)."""
+        input_ids = self.prepare_inputs(seqs)
+        logits = self.model(input_ids, self.kv_cache, self.num_pads_t, last_only=True)[:, -1]  # [B, V], the scores of the token after the last one
+        return self.sample(seqs, logits)
+
+    def prepare_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The model's input: [B, T], the left-padded prompts on the first step (prefill), then [B, 1], each
+        row's newest token (decode): the cache holds the rest."""
+        if self.kv_cache.length == 0:
+            pad_id = self.tokenizer.eos_token_id  # any id: padding is masked out
+            rows = [[pad_id] * n + seq.token_ids for n, seq in zip(self.num_pads, seqs)]
+            return self.to_device(rows)  # [B, T]: the prompts (prefill)
+        # [B, 1]: each row's newest token (a finished row repeats its last one, computed for nothing)
+        return self.to_device([seq.token_ids[-1:] for seq in seqs])
+
+    def to_device(self, data: list) -> torch.Tensor:
+        """A tensor of host data on the device, copied without making the host wait for the GPU (through
+        pinned memory: a copy from ordinary memory would first wait for all queued GPU work)."""
+        tensor = torch.tensor(data)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
+        out = sample(
+            logits,
+            [seq.params for seq in seqs],
+            [seq.generator for seq in seqs],
+            [seq.prompt_token_ids for seq in seqs],
+            [seq.output_token_ids for seq in seqs],
+        )
+        decode = lambda token_id: self.tokenizer.decode([token_id])  # noqa: E731
+        return out.token_ids, [row.as_dict(decode) if row is not None else None for row in out.logprobs]
