@@ -1,0 +1,24 @@
+"""Step 5: FlashAttention over the paged KV cache, as Triton kernels on the GPU."""
+
+from .block_manager import BlockManager
+from .engine import LLMEngine
+from .kv_cache import PagedKVCache
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .scheduler import Scheduler, SchedulerStats
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
+
+__all__ = [
+    "LLM",
+    "BlockManager",
+    "CompletionOutput",
+    "LLMEngine",
+    "Logprob",
+    "PagedKVCache",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerStats",
+]

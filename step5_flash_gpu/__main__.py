@@ -1,0 +1,153 @@
+"""The command line: stream a completion to the terminal, then one summary line.
+
+    python -m <step> "The Python interpreter" --max-tokens 48
+    python -m <step> "Once upon a time" --model gpt2 --temperature 0.8 --top-p 0.95 --seed 1
+
+With several prompts (arguments, or --prompts-file with one per line) they run with continuous batching:
+each completion is printed when all are done, then the totals: throughput, preemptions, the KV cache.
+
+Run it from the repository root. The CLI's defaults (greedy, 64 tokens) differ from the Python API's,
+which are vLLM's (temperature 1.0, 16 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .engine import DTYPES
+from .llm import LLM
+from .sampling import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__package__}",
+        description=__doc__.split("\n\n")[0] + " The summary gives prompt and generated tokens, the time to "
+        "first token (TTFT) and the decode speed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("prompts", nargs="*", help="the texts to continue")
+    parser.add_argument("--prompts-file", help="a UTF-8 text file with one prompt per line")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="most requests running at once")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks in the pool (default: room for --max-num-seqs full context windows)")
+    pool.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache pool size in bytes, instead of --num-kv-blocks")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="attention kernels: triton (GPU), torch (step 4's), auto = triton on CUDA, else torch")
+    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder")
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="divides the logits; 0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this probability mass; 1 = off")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the best one; 0 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty on tokens already seen; 1 = off")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's penalty on tokens generated at least once; 0 = off")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's penalty per time a token was generated; 0 = off")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string, left out of the output (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going after <|endoftext|>")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random draws; none = different every run")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    return parser.parse_args(argv)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling parameters of the command line (ValueError on a bad value)."""
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        params = sampling_params(args)
+        prompts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+        if not prompts:
+            raise ValueError("prompts: give at least one prompt, as an argument or with --prompts-file")
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, **engine_args(args))
+        if len(prompts) > 1:
+            return run_batch(llm, prompts, params)
+        outputs = llm.stream_outputs(prompts[0], params)  # validates the request
+    except (ValueError, ConnectionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    print(prompts[0], end="", flush=True)
+    num_tokens = 0
+    for out in outputs:
+        print(out.outputs[0].text, end="", flush=True)  # what is new since the last output
+        num_tokens += len(out.outputs[0].token_ids)
+    print()
+    m = out.metrics
+    decode = f"decode {m.decode_tokens_per_s:.1f} tok/s ({1e3 / m.decode_tokens_per_s:.1f} ms/token)" if m.decode_tokens_per_s else "decode n/a"
+    print(
+        f"[{len(out.prompt_token_ids)} prompt tokens, {num_tokens} generated ({out.outputs[0].finish_reason}), "
+        f"TTFT {m.ttft_s * 1e3:.1f} ms, {decode}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return {
+        "max_num_seqs": args.max_num_seqs,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory": args.kv_cache_memory,
+        "attention_backend": args.attention_backend,
+    }
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file. Raises ValueError naming the file if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\r\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts-file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+
+
+def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
+    """Generate every prompt; print each completion, then the totals."""
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)  # validates every request first (ValueError)
+    elapsed = time.perf_counter() - start
+    for i, out in enumerate(outputs):
+        completion = out.outputs[0]
+        print(f"--- request {i} ({len(completion.token_ids)} tokens, {completion.finish_reason}) ---")
+        print(out.prompt + completion.text)
+    generated = sum(len(out.outputs[0].token_ids) for out in outputs)
+    print(f"[{len(outputs)} requests: {generated} tokens generated in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); "
+          f"{engine_summary(llm.engine)}]", file=sys.stderr)
+    return 0
+
+
+def engine_summary(engine) -> str:
+    stats = engine.stats
+    return (
+        f"up to {engine.scheduler.max_num_seqs} at once; {stats.num_preemptions} preemption(s); "
+        f"KV cache of {stats.num_blocks} blocks x {engine.block_manager.block_size} tokens; "
+        f"{engine.attention_backend} attention"
+    )
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
+        print(file=sys.stderr)
+        sys.exit(130)

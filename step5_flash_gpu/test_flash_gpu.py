@@ -1,0 +1,120 @@
+"""Step 5 tests: the engine with the Triton attention backend gives step 4's outputs.
+
+On a machine without CUDA the kernels run through Triton's interpreter (the root conftest.py switches it
+on), on short requests: greedy ids equal step 4's, also with preemption, block boundaries and a batch that
+mixes prefills and decodes. With CUDA (``gpu`` tests): fp32 greedy ids equal step 4's on the GPU, and fp16 /
+bf16 are within the top-5 tier of README.md. The kernels themselves are tested in test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import step4_paged_continuous
+
+from .engine import LLMEngine, choose_attention_backend
+from .kernels import triton_usable
+from .llm import LLM
+from .sampling import SamplingParams
+
+PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised when"]
+needs_triton = pytest.mark.skipif(not triton_usable("cuda" if torch.cuda.is_available() else "cpu"),
+                                  reason="Triton's interpreter was not switched on before triton was imported")
+
+
+def step4_outputs(demo_snapshot, prompts, params, **engine_args):
+    llm = step4_paged_continuous.LLM(model=str(demo_snapshot), **engine_args)
+    p4 = step4_paged_continuous.SamplingParams(**params)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, p4)]
+
+
+def test_backend_choice():
+    assert choose_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert choose_attention_backend("torch", torch.device("cpu")) == "torch"
+    if torch.cuda.is_available():
+        assert choose_attention_backend("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="attention_backend"):
+        choose_attention_backend("flash", torch.device("cpu"))
+
+
+def test_torch_backend_is_step4(demo_snapshot):
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(demo_snapshot), attention_backend="torch")
+    assert llm.engine.attention_backend == "torch"
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**params))]
+    assert ours == step4_outputs(demo_snapshot, PROMPTS, params)
+
+
+@needs_triton
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_triton_backend_greedy_equals_step4(demo_snapshot, block_size):
+    """A mixed batch: prompts of 1 to 9 tokens, prefilled together, then decoded across block boundaries;
+    with block size 4 and a pool of 12 blocks, requests are also preempted and prefilled again."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    engine_args = dict(block_size=block_size, max_num_seqs=4)
+    if block_size == 4:
+        engine_args["num_kv_blocks"] = 12
+    llm = LLM(model=str(demo_snapshot), device=device, attention_backend="triton", **engine_args)
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**params))]
+    assert ours == step4_outputs(demo_snapshot, PROMPTS, params, **engine_args)
+    if block_size == 4:
+        assert llm.engine.stats.num_preemptions > 0
+
+
+def test_triton_backend_refused_where_it_cannot_run(demo_snapshot, monkeypatch):
+    from . import engine
+
+    monkeypatch.setattr(engine, "kernels", None)  # as if Triton were not installed
+    with pytest.raises(ValueError, match="Triton"):
+        LLMEngine(model=str(demo_snapshot), attention_backend="triton")
+    assert LLMEngine(model=str(demo_snapshot), attention_backend="auto").attention_backend == "torch"
+
+
+def test_cli_attention_backend(demo_snapshot):
+    result = subprocess.run(
+        [sys.executable, "-m", __package__, "The Python interpreter", "x", "--max-tokens", "4", "--attention-backend", "torch"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "torch attention" in result.stderr
+    bad = subprocess.run([sys.executable, "-m", __package__, "hi", "--attention-backend", "flash"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp32_greedy_equals_step4(demo_snapshot):
+    params = dict(max_tokens=32, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(demo_snapshot), device="cuda")
+    assert llm.engine.attention_backend == "triton"
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**params))]
+    assert ours == step4_outputs(demo_snapshot, PROMPTS, params, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_half_precision_in_top5_tier(demo_snapshot, dtype):
+    """At the first token where the half-precision run differs from fp32, each side's token is in the other
+    side's top-5 (README.md's tier), the logits computed by step 0 in each dtype."""
+    from step0_model import GPT as Step0GPT
+
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    reference = LLM(model=str(demo_snapshot), device="cuda").generate(PROMPTS, params)
+    low = LLM(model=str(demo_snapshot), device="cuda", dtype=dtype).generate(PROMPTS, params)
+    model = Step0GPT.from_pretrained(str(demo_snapshot), device="cuda")
+    low_model = Step0GPT.from_pretrained(str(demo_snapshot), device="cuda", dtype=getattr(torch, dtype))
+    for a, b in zip(reference, low):
+        a_ids, b_ids = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if a_ids == b_ids:
+            continue
+        i = next(i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y)
+        ids = torch.tensor([a.prompt_token_ids + a_ids[:i]], device="cuda")
+        with torch.inference_mode():
+            assert b_ids[i] in model(ids)[0, -1].topk(5).indices.tolist()
+            assert a_ids[i] in low_model(ids)[0, -1].topk(5).indices.tolist()

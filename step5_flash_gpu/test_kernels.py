@@ -1,0 +1,327 @@
+"""Step 5 kernel tests: the Triton kernels give the plain PyTorch reference's output, case by case.
+
+The reference (``paged_attention_reference``) gathers each sequence's blocks and runs textbook causal
+attention in fp32. The kernel must match it for every head (each head's values are offset differently, so
+a head mix-up shows), head sizes that are and are not powers of two, block sizes 8/16/32, lengths around
+a block boundary (1, block_size - 1, block_size, block_size + 1, longer), block tables drawn at random from
+a larger pool, one batch mixing prefills (with and without cached context) and decodes, and both decode
+paths (plain and split-K). Tolerances: fp32 1e-4, fp16 1e-2 (GUIDE.md).
+
+Without CUDA the small cases run through Triton's interpreter, which must be switched on before the
+process first imports triton (see kernels.py): this file does so when it is the first to import it. When
+another test module imported triton earlier (transformers does), the small cases rerun in a fresh process.
+With CUDA the same small cases run compiled, and the ``gpu`` tests add real sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`, which kernels does
+
+from .kernels import (  # noqa: E402
+    choose_num_splits,
+    paged_attention,
+    paged_attention_reference,
+    triton_usable,
+    write_kv,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def device() -> str:
+    if not triton_usable(DEVICE):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: test_small_cases_in_fresh_process runs these")
+    return DEVICE
+
+
+def make_batch(cases, n_head, head_dim, block_size, dtype, device, seed=0, spare_blocks=7):
+    """A paged batch: cases = [(query_len, seq_len), ...], one per sequence, in batch order.
+
+    The pool holds twice the blocks needed plus spares, filled with random keys and values (the new tokens'
+    included, as if already written); each sequence gets blocks drawn from a random permutation of the
+    pool, and its block-table row is padded with random valid ids. Values get + 0.5 x head index.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-L // block_size) for _, L in cases]
+    M = max(blocks_per_seq) + 1  # one padding entry at least
+    num_blocks = 2 * sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, n_head, head_dim)
+    k_cache = torch.randn(shape, generator=g)
+    v_cache = torch.randn(shape, generator=g) + 0.5 * torch.arange(n_head)[:, None]  # every head different
+    ids = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.randint(0, num_blocks, (len(cases), M), generator=g)
+    taken = 0
+    for s, n in enumerate(blocks_per_seq):
+        block_tables[s, :n] = ids[taken : taken + n]
+        taken += n
+    query_lens = [t for t, _ in cases]
+    query_start_loc = torch.tensor([0] + query_lens).cumsum(0)
+    q = torch.randn(sum(query_lens), n_head, head_dim, generator=g)
+    to = dict(device=device)
+    return dict(
+        q=q.to(dtype=dtype, **to),
+        k_cache=k_cache.to(dtype=dtype, **to),
+        v_cache=v_cache.to(dtype=dtype, **to),
+        block_tables=block_tables.to(dtype=torch.int32, **to),
+        seq_lens=torch.tensor([L for _, L in cases], dtype=torch.int32, **to),
+        query_start_loc=query_start_loc.to(dtype=torch.int32, **to),
+        max_query_len=max(query_lens),
+    )
+
+
+def mixed_cases(bs: int) -> list[tuple[int, int]]:
+    """(query_len, seq_len): prefills from scratch and after cached context, decodes, around block boundaries."""
+    return [
+        (1, 1),  # a one-token prompt
+        (bs - 1, bs - 1),
+        (1, bs),  # decodes
+        (bs, bs),
+        (bs + 1, bs + 1),
+        (5, bs + 3),  # a prefill after bs - 2 cached tokens (a prefix hit, a chunked prompt)
+        (1, bs + 1),
+        (bs + 2, 3 * bs + 5),  # crosses several blocks after 2 bs + 3 cached tokens
+        (1, 4 * bs + 7),
+    ]
+
+
+def check(batch, atol, **kwargs):
+    out = paged_attention(**batch, **kwargs)
+    ref = paged_attention_reference(**batch)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = (out.float() - ref.float()).abs().amax(dim=(0, 2))  # [H], worst error of each head
+    assert (err <= atol).all(), f"max abs error per head {err.tolist()} > {atol}"
+
+
+MIXED = [(D, bs, torch.float32) for D in (64, 48) for bs in (8, 16, 32)]
+MIXED += [(64, 32, torch.float16), (48, 16, torch.float16)]
+
+
+@pytest.mark.parametrize("head_dim,block_size,dtype", MIXED)
+def test_mixed_batch_matches_reference(device, head_dim, block_size, dtype):
+    """Prefills (with and without context) and decodes in one launch, every head, shuffled block tables."""
+    batch = make_batch(mixed_cases(block_size), 3, head_dim, block_size, dtype, device)
+    check(batch, TOL[dtype])
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 64), (32, 16), (64, 32)])
+def test_tile_sizes(device, block_m, block_n):
+    """Query tiles shorter than a prompt (several tiles per sequence), key tiles smaller and larger than a block."""
+    batch = make_batch(mixed_cases(16) + [(40, 40)], 2, 80, 16, torch.float32, device, seed=1)
+    check(batch, 1e-4, block_m=block_m, block_n=block_n, num_splits=1)
+
+
+@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, n) for n in (None, 1, 2, 3, 8)]
+                         + [(torch.float16, 1), (torch.float16, 3)])
+def test_decode_paths(device, dtype, num_splits):
+    """All-decode batches: the plain kernel (1), flash-decoding (k > 1, some splits empty), the automatic choice."""
+    cases = [(1, L) for L in (1, 15, 16, 17, 83)]
+    batch = make_batch(cases, 2, 48, 16, dtype, device, seed=2)
+    check(batch, TOL[dtype], num_splits=num_splits, block_n=16)
+
+
+def test_choose_num_splits():
+    """Split only all-decode batches that leave SMs idle (132 assumed on CPU), and only long contexts."""
+    cpu = torch.device("cpu")
+    assert choose_num_splits(1, 12, 1, 4096, cpu) == 16
+    assert choose_num_splits(8, 12, 1, 4096, cpu) == 3
+    assert choose_num_splits(256, 12, 1, 4096, cpu) == 1  # the plain grid fills the GPU
+    assert choose_num_splits(1, 12, 7, 4096, cpu) == 1  # not all decodes
+    assert choose_num_splits(1, 12, 1, 128, cpu) == 1  # too short to be worth it
+
+
+def test_strided_inputs(device):
+    """q as a view into a fused [N, 3, H, D] projection, a pool viewed with its own strides (stride() is used),
+    and int64 block tables, lengths and offsets."""
+    batch = make_batch(mixed_cases(8), 2, 64, 8, torch.float32, device, seed=3)
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        batch[name] = batch[name].long()
+    qkv = torch.randn(batch["q"].shape[0], 3, *batch["q"].shape[1:], device=device)
+    qkv[:, 0] = batch["q"]
+    ref = paged_attention_reference(**batch)
+    batch["q"] = qkv[:, 0]  # [N, H, D] with row stride 3 H D
+    pool = torch.zeros(*batch["k_cache"].shape[:3], 2 * batch["k_cache"].shape[3], device=device)
+    pool[..., ::2] = batch["k_cache"]
+    batch["k_cache"] = pool[..., ::2]  # last-dim stride 2
+    out = paged_attention(**batch)
+    assert (out - ref).abs().max() <= 1e-4
+
+
+def test_bad_inputs_raise(device):
+    batch = make_batch([(2, 5)], 2, 16, 8, torch.float32, device)
+    with pytest.raises(ValueError):
+        paged_attention(**{**batch, "q": batch["q"][:, :1]})  # head count differs from the pool's
+    with pytest.raises(ValueError):
+        paged_attention(**{**batch, "seq_lens": batch["seq_lens"].float()})
+    with pytest.raises(ValueError):
+        paged_attention(**batch, num_splits=2)  # flash-decoding needs decodes only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_write_kv(device, dtype, block_size):
+    """write_kv stores exactly what step 4's indexing stores, from strided k/v, and skips slot -1."""
+    g = torch.Generator().manual_seed(4)
+    num_blocks, H, D, N = 6, 3, 48, 9
+    k_cache = torch.randn(num_blocks, block_size, H, D, generator=g).to(device=device, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, H, D, generator=g).to(device=device, dtype=dtype)
+    kv = torch.randn(N, 2, H, D, generator=g).to(device=device, dtype=dtype)
+    k, v = kv[:, 0], kv[:, 1]  # strided views
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:N].to(device)
+    slots[4] = -1  # a padding token
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    want_k.view(-1, H, D)[slots[keep]] = k[keep]
+    want_v.view(-1, H, D)[slots[keep]] = v[keep]
+    write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# How the interpreter gets switched on (only meaningful without CUDA)
+
+ROOT = Path(__file__).resolve().parents[1]  # the folder holding this package
+MODULE = f"{__package__}.kernels"
+SNIPPET = f"""
+import torch
+from {MODULE} import paged_attention, paged_attention_reference
+k = torch.randn(3, 8, 2, 16); v = torch.randn(3, 8, 2, 16); q = torch.randn(4, 2, 16)
+args = (q, k, v, torch.tensor([[2, 0]]), torch.tensor([12]), torch.tensor([0, 4]), 4)
+print(float((paged_attention(*args) - paged_attention_reference(*args)).abs().max()))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for machines without CUDA")
+def test_interpreter_switch_on():
+    """kernels.py switches the interpreter on if it imports triton first; an earlier `import triton` needs the
+    variable set beforehand (as a root conftest.py would), and without it the error says so."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = {
+        "kernels first": ("", env),
+        "triton first, variable set": ("import triton\n", {**env, "TRITON_INTERPRET": "1"}),
+        "triton first, no variable": ("import triton\n", env),
+    }
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", pre + SNIPPET], cwd=ROOT, env=e, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, (pre, e) in runs.items()
+    }
+    results = {name: p.communicate(timeout=120) + (p.returncode,) for name, p in procs.items()}
+    for name in ("kernels first", "triton first, variable set"):
+        out, err, rc = results[name]
+        assert rc == 0 and float(out.split()[-1]) < 1e-5, f"{name}: {err}"
+    out, err, rc = results["triton first, no variable"]
+    assert rc != 0 and "TRITON_INTERPRET=1" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or triton_usable("cpu"), reason="the small cases ran in this process")
+def test_small_cases_in_fresh_process():
+    """Another test module imported triton before the interpreter was switched on: rerun this file's small cases."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", str(Path(__file__))]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real sizes, on the GPU: GPT-2 small's 12 heads x 64
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_mixed_batch_real_sizes(dtype):
+    """256 sequences: 16 prefills (some after cached context, up to 1100 tokens) and 240 decodes up to 1100."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for i in range(16):
+        L = int(torch.randint(1, 1101, (1,), generator=g))
+        cases.append((L if i % 2 else max(1, L // 3), L))  # odd: whole prompt; even: the last third after context
+    cases += [(1, int(L)) for L in torch.randint(1, 1101, (240,), generator=g)]
+    cases += [(1, 1), (1, 1024), (1024, 1024), (1, 1025)]
+    batch = make_batch(cases, 12, 64, 16, dtype, "cuda", seed=6)
+    check(batch, TOL[dtype])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_seqs", [1, 8, 256])
+@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
+def test_gpu_decode_paths(num_seqs, num_splits):
+    """Decode-only batches, contexts up to 4096, plain and flash-decoding, fp16."""
+    g = torch.Generator().manual_seed(num_seqs)
+    cases = [(1, int(L)) for L in torch.randint(1, 4097, (num_seqs,), generator=g)]
+    cases[0] = (1, 4096)
+    batch = make_batch(cases, 12, 64, 16, torch.float16, "cuda", seed=7)
+    check(batch, 1e-2, num_splits=num_splits)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim,block_size", [(48, 8), (80, 32), (128, 16)])
+def test_gpu_other_shapes(head_dim, block_size):
+    """Padded head sizes and other block sizes, compiled."""
+    cases = mixed_cases(block_size) + [(700, 1300), (1, 2000)]
+    check(make_batch(cases, 12, head_dim, block_size, torch.float16, "cuda", seed=8), 1e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_write_kv_real_sizes():
+    H, D, bs, num_blocks, N = 12, 64, 16, 4096, 3000
+    k_cache = torch.randn(num_blocks, bs, H, D, device="cuda", dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    k, v = torch.randn(2, N, H, D, device="cuda", dtype=torch.float16)
+    slots = torch.randperm(num_blocks * bs, device="cuda")[:N]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, H, D)[slots] = k
+    want_v.view(-1, H, D)[slots] = v
+    write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@gpu
+@needs_cuda
+def test_gpu_int64_offsets():
+    """A pool of more than 2**31 elements per layer: blocks near its end sit past int32 element offsets.
+
+    bs 16 x H 12 x D 64 = 12288 elements per block, so block ids above 174762 overflow int32 offsets;
+    K and V take 2 x 4.3 GB in fp16. Only those blocks are filled (torch.empty for the rest).
+    """
+    H, D, bs = 12, 64, 16
+    num_blocks = 2**31 // (bs * H * D) + 512  # the last 512 blocks start past element 2**31
+    if torch.cuda.mem_get_info()[0] < 2 * num_blocks * bs * H * D * 2 + 2**30:
+        pytest.skip("not enough free GPU memory for a pool past 2**31 elements")
+    k_cache = torch.empty(num_blocks, bs, H, D, device="cuda", dtype=torch.float16)
+    v_cache = torch.empty_like(k_cache)
+    cases = [(1, 300), (200, 500), (1, 17)]
+    small = make_batch(cases, H, D, bs, torch.float16, "cuda", seed=9)
+    used = small["k_cache"].shape[0]
+    base = num_blocks - used  # the small pool's blocks become the big pool's last ones
+    k_cache[base:] = small["k_cache"]
+    v_cache[base:] = small["v_cache"]
+    batch = {**small, "k_cache": k_cache, "v_cache": v_cache, "block_tables": small["block_tables"] + base}
+    assert int(batch["block_tables"].min()) * bs * H * D >= 2**31  # every block read lies past int32 offsets
+    assert (paged_attention(**batch) - paged_attention_reference(**small)).abs().max() <= 1e-2
+    decodes = make_batch([(1, 300), (1, 17)], H, D, bs, torch.float16, "cuda", seed=10)
+    used = decodes["k_cache"].shape[0]
+    k_cache[num_blocks - used:] = decodes["k_cache"]
+    v_cache[num_blocks - used:] = decodes["v_cache"]
+    big = {**decodes, "k_cache": k_cache, "v_cache": v_cache,
+           "block_tables": decodes["block_tables"] + num_blocks - used}
+    assert (paged_attention(**big, num_splits=4) - paged_attention_reference(**decodes)).abs().max() <= 1e-2
+    slots = (num_blocks - 1) * bs + torch.arange(bs, device="cuda")
+    kv = torch.randn(2, bs, H, D, device="cuda", dtype=torch.float16)
+    write_kv(k_cache, v_cache, kv[0], kv[1], slots)
+    assert torch.equal(k_cache[-1], kv[0]) and torch.equal(v_cache[-1], kv[1])
