@@ -1,0 +1,26 @@
+"""Step 6: an OpenAI-compatible streaming HTTP server in front of the engine, with a web page."""
+
+from .block_manager import BlockManager
+from .engine import LLMEngine
+from .kv_cache import PagedKVCache
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .scheduler import Scheduler, SchedulerStats
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
+from .server import build_app
+
+__all__ = [
+    "LLM",
+    "BlockManager",
+    "CompletionOutput",
+    "LLMEngine",
+    "Logprob",
+    "PagedKVCache",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerStats",
+    "build_app",
+]

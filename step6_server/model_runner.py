@@ -1,0 +1,119 @@
+"""The model runner: one step's sequences in, their next tokens out (vLLM's name).
+
+It turns the sequences that run in this step into the model's input tensors, runs the forward pass,
+and samples one token per sequence from the logits. This step keeps a KV cache: the prompt goes through
+the model once (prefill), filling the cache, and every later forward pass takes only the newest token
+(decode), reading the others' keys and values from the cache. Generating n tokens after a prompt of p
+tokens costs p + n token positions instead of step 1's p + (p+1) + ... + (p+n-1).
+
+Continuous batching over a paged KV cache: the sequences of a step are flattened into one batch of
+new tokens, with no padding: a whole prompt for each sequence that starts (or restarts after
+preemption), the newest token of each one that is decoding. Each token carries its position and the
+cache slot its key and value go to (the slot mapping); the decodes carry their block tables, through
+which attention reads their cached keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.tokenizer import Tokenizer
+
+from .block_manager import BlockManager
+from .kv_cache import PagedKVCache
+from .model import GPT, AttentionMetadata
+from .sampling import Logprob, sample
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+
+class ModelRunner:
+    """Runs ``model`` on ``device`` for the sequences the engine picks, and samples their next tokens."""
+
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        device: torch.device,
+        kv_cache: PagedKVCache,
+        block_manager: BlockManager,
+        attention_backend: str,
+    ):
+        self.attention_backend = attention_backend  # "triton" or "torch"
+        self.model = model
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.device = device
+        self.kv_cache = kv_cache  # the pool every sequence's blocks live in
+        self.block_manager = block_manager  # who owns which block
+
+    @torch.inference_mode()
+    def run(self, scheduled: SchedulerOutput) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """One forward pass over the step's prefills and decodes, then one sampled token per sequence
+        (and its logprobs, if asked for), in the order prefills + decodes."""
+        input_ids, positions, meta = self.prepare_inputs(scheduled)
+        logits = self.model(input_ids, positions, self.kv_cache, meta)  # [S, V], one row per sequence
+        return self.sample(scheduled.prefills + scheduled.decodes, logits)
+
+    def prepare_inputs(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the step's sequences into one batch: token ids, positions and slot mapping [N] each,
+        where each sequence starts, and every sequence's length and block table. Everything goes to the
+        device in one copy."""
+        blocks = self.block_manager
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        for seq in scheduled.prefills:  # every token of the sequence (prompt, and output if it was preempted)
+            token_ids += seq.token_ids
+            positions += range(len(seq))
+            slots += blocks.slots(seq.request_id, 0, len(seq))
+            query_start_loc.append(query_start_loc[-1] + len(seq))
+        for seq in scheduled.decodes:  # only the newest token, at position len - 1
+            token_ids.append(seq.token_ids[-1])
+            positions.append(len(seq) - 1)
+            slots += blocks.slots(seq.request_id, len(seq) - 1, len(seq))
+            query_start_loc.append(query_start_loc[-1] + 1)
+        seqs = scheduled.prefills + scheduled.decodes
+        seq_lens = [len(seq) for seq in seqs]
+        tables = [blocks.block_tables[seq.request_id] for seq in seqs]
+        width = max((len(t) for t in tables), default=1)
+        padded_tables = [x for t in tables for x in t + [0] * (width - len(t))]  # short rows padded with block 0
+        N, S = len(token_ids), len(seqs)
+        # one host-to-device copy for the whole step
+        packed = self.to_device(token_ids + positions + slots + query_start_loc + seq_lens + padded_tables)
+        input_ids, positions_t, slot_mapping, starts, seq_lens_t, block_tables = packed.split(
+            [N, N, N, S + 1, S, S * width]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            query_start_loc_t=starts,
+            logits_indices=starts[1:] - 1,  # each sequence's last new token
+            num_prefills=len(scheduled.prefills),
+            seq_lens=seq_lens_t,
+            block_tables=block_tables.view(S, width),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            attention_backend=self.attention_backend,
+        )
+        return input_ids, positions_t, meta
+
+    def to_device(self, data: list) -> torch.Tensor:
+        """A tensor of host data on the device, copied without making the host wait for the GPU (through
+        pinned memory: a copy from ordinary memory would first wait for all queued GPU work)."""
+        tensor = torch.tensor(data)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
+        out = sample(
+            logits,
+            [seq.params for seq in seqs],
+            [seq.generator for seq in seqs],
+            [seq.prompt_token_ids for seq in seqs],
+            [seq.output_token_ids for seq in seqs],
+        )
+        decode = lambda token_id: self.tokenizer.decode([token_id])  # noqa: E731
+        return out.token_ids, [row.as_dict(decode) if row is not None else None for row in out.logprobs]

@@ -1,0 +1,644 @@
+"""Step 6 tests: the HTTP server is a faithful door to the engine.
+
+- What comes over HTTP (the unmodified ``openai`` SDK, streaming or not, completions and chat) is exactly
+  what the in-process engine makes for the same prompt, field by field in OpenAI's wire format.
+- Concurrent clients share the engine's continuous batch and still get their solo output; clients that
+  disconnect have their requests aborted at once, so the KV cache ends empty and the server healthy.
+- Bad input never reaches the engine: every malformed or out-of-range field is a 400 naming it (and
+  401, 404, 413, 429, 503 where they apply) with OpenAI's error body.
+- /health, /metrics (vLLM's names), and the web page in a real headless Chromium.
+
+The servers run in this process (uvicorn in a thread, on a free loopback port); nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from .engine import LLMEngine
+from .llm import LLM
+from .sampling import Logprob, SamplingParams
+from .server import CHAT_STOP, ChatMessage, build_app, chat_logprobs, completion_logprobs, parse_args, render_chat
+
+PROMPTS = [
+    "The Python interpreter",
+    "A list comprehension is",
+    "Exceptions are raised when an error occurs.",
+    "x",
+    "Modules can import other modules.",
+    "A dictionary maps keys to values. Keys must be hashable",
+]
+MAX_NUM_SEQS = 16
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixtures: one engine and one server for the session; an in-process LLM as the oracle
+# ---------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Run ``app`` with uvicorn in a thread on a free 127.0.0.1 port; yields its base URL; stops it after."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@dataclass
+class Served:
+    url: str
+    app: object
+
+    @property
+    def bridge(self):
+        return self.app.state.server.bridge
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/v1/engine/stats").json()
+
+
+@pytest.fixture(scope="session")
+def engine(demo_snapshot) -> LLMEngine:
+    return LLMEngine(model=str(demo_snapshot), max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=MAX_NUM_SEQS * 32)
+
+
+@pytest.fixture(scope="session")
+def served(engine):
+    app = build_app(engine, "demo")
+    with serve(app) as url:
+        yield Served(url, app)
+
+
+@pytest.fixture(scope="session")
+def llm(demo_snapshot) -> LLM:
+    """The in-process oracle: its own engine (the server's belongs to the server's loop thread)."""
+    return LLM(model=str(demo_snapshot))
+
+
+@pytest.fixture
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(llm: LLM, prompt: str, max_tokens: int, **kw) -> str:
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
+    return out.outputs[0].text
+
+
+def wait_idle(served: Served, timeout: float = 10.0) -> dict:
+    """Poll the engine's figures until nothing runs, waits or holds a KV block (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = served.stats()
+        if (s["running"], s["waiting"], s["kv_blocks_used"]) == (0, 0, 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Same output as in process, through the unmodified SDK
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_equals_in_process_engine(client, llm, stream):
+    """Greedy text over HTTP equals LLM.generate's for the same prompt (the parity tier of step 6)."""
+    for prompt in PROMPTS[:3]:
+        expected = greedy(llm, prompt, 24)
+        if not stream:
+            r = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
+            assert isinstance(r, Completion) and r.object == "text_completion"
+            assert r.choices[0].text == expected
+            assert r.choices[0].finish_reason in ("stop", "length")
+            assert r.usage.prompt_tokens == len(llm.engine.tokenizer.encode(prompt))
+            assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        else:
+            chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            assert text == expected
+            assert all(c.usage is None for c in chunks[:-1])
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+            assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] in ("stop", "length")
+            assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_equals_in_process_engine_on_the_template(client, llm, stream):
+    """Chat is the rendered transcript continued greedily, stopping at the user's next turn."""
+    messages = [{"role": "system", "content": "You answer questions about Python."},
+                {"role": "user", "content": "What is a list comprehension?"}]
+    prompt = render_chat([ChatMessage(**m) for m in messages])
+    assert prompt.endswith("User: What is a list comprehension?\nAssistant:")
+    expected = greedy(llm, prompt, 32, stop=[CHAT_STOP])
+    if not stream:
+        r = client.chat.completions.create(model="demo", messages=messages, max_completion_tokens=32, temperature=0)
+        assert isinstance(r, ChatCompletion) and r.object == "chat.completion"
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == expected
+        assert r.usage.prompt_tokens == len(llm.engine.tokenizer.encode(prompt))
+    else:
+        chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert all(isinstance(c, ChatCompletionChunk) and c.object == "chat.completion.chunk" for c in chunks)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_wire_format_validates_against_the_sdk_types(served):
+    """Every body parses with the openai SDK's own pydantic models (strict validation, not construct)."""
+    base = served.url
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 5, "logprobs": 2}
+    Completion.model_validate(httpx.post(f"{base}/v1/completions", json=body).json())
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "logprobs": True,
+            "top_logprobs": 2}
+    ChatCompletion.model_validate(httpx.post(f"{base}/v1/chat/completions", json=chat).json())
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**chat, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        ChatCompletionChunk.model_validate(json.loads(e))
+    models = httpx.get(f"{base}/v1/models").json()
+    assert models["object"] == "list"
+    card = Model.model_validate(models["data"][0])
+    assert card.id == "demo" and models["data"][0]["max_model_len"] == 512
+
+
+def test_n_choices_use_seed_plus_index(client):
+    """n choices are n engine requests; choice i is seeded with seed + i, so it equals a solo request."""
+    kw = dict(model="demo", prompt=PROMPTS[1], max_tokens=12, temperature=1.0)
+    r = client.completions.create(n=3, seed=7, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    again = client.completions.create(n=3, seed=7, **kw)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert client.completions.create(seed=9, **kw).choices[0].text == r.choices[2].text
+    assert r.usage.completion_tokens >= 3  # summed over the choices; the prompt counted once
+    # several prompts: choice index = prompt index * n + i
+    two = client.completions.create(model="demo", prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert two.choices[0].text == two.choices[1].text  # greedy
+
+
+def test_completion_logprobs_object(client, llm):
+    r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=10, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == r.choices[0].text  # greedy, no stop string: every token is in the text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the sampled token is the most likely
+    # streamed: the same tokens, offsets continuing across chunks
+    chunks = list(client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                            logprobs=3, stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_chat_logprobs_object(client):
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.bytes and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+def test_minus_infinity_logprobs_stay_valid_json(llm):
+    """A filtered-out token has logprob -inf: clamped to -9999.0, as vLLM, so the JSON stays valid."""
+    tok = llm.engine.tokenizer
+    entry = {5: Logprob(-math.inf, 1, None), 6: Logprob(-0.1, 2, None)}
+    c = completion_logprobs(tok, [5], [entry], 0)
+    h = chat_logprobs(tok, [5], [entry], 2)
+    assert c["token_logprobs"] == [-9999.0] and h["content"][0]["logprob"] == -9999.0
+    json.dumps([c, h], allow_nan=False)
+
+
+def test_echo_stop_and_penalties(client, llm):
+    expected = greedy(llm, PROMPTS[2], 24)
+    r = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=24, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[2] + expected
+    stop = expected[len(expected) // 2: len(expected) // 2 + 3]
+    if stop.strip():
+        r = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop])
+        assert r.choices[0].text == expected[: expected.index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+    # vLLM's extras and the penalties reach the engine (they validate and run)
+    r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=8, temperature=0.7, seed=1,
+                                  presence_penalty=0.5, frequency_penalty=0.5,
+                                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
+                                              "ignore_eos": True, "stop_token_ids": [0]})
+    assert r.usage.completion_tokens >= 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One batch for many clients; disconnects abort at once
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_32_concurrent_streams_each_get_their_solo_output(served, llm):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    lengths = [6 + (7 * i) % 15 for i in range(32)]
+    solo = [greedy(llm, p, n) for p, n in zip(prompts, lengths)]
+    running_seen: list[int] = []
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, n: int) -> str:
+        stream = await client.completions.create(model="demo", prompt=prompt, max_tokens=n, temperature=0,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def sample(http: httpx.AsyncClient, done: asyncio.Event) -> None:
+        while not done.is_set():
+            running_seen.append((await http.get(f"{served.url}/v1/engine/stats")).json()["running"])
+            await asyncio.sleep(0.005)
+
+    async def main() -> list[str]:
+        done = asyncio.Event()
+        async with openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0) as client, \
+                httpx.AsyncClient() as http:
+            sampler = asyncio.create_task(sample(http, done))
+            texts = await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+            done.set()
+            await sampler
+        return texts
+
+    texts = asyncio.run(main())
+    assert texts == solo
+    assert max(running_seen) > 1, "the concurrent requests never shared a step"
+    assert served.stats()["max_running"] > 1
+
+
+async def _stream_and_maybe_leave(http: httpx.AsyncClient, url: str, body: dict, leave_after: int | None) -> str:
+    """Stream a completion; with ``leave_after``, close the connection after that many events."""
+    text, events = "", 0
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text += json.loads(line[6:])["choices"][0]["text"]
+            events += 1
+            if leave_after is not None and events >= leave_after:
+                return text  # leaving the block closes the connection mid-stream
+    return text
+
+
+def test_a_disconnected_stream_is_aborted_at_once(served):
+    """A client that leaves mid-stream frees its blocks right away, not after its 400 tokens."""
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=30) as http:
+            await _stream_and_maybe_leave(http, served.url, body, leave_after=3)
+
+    start = time.monotonic()
+    asyncio.run(main())
+    s = wait_idle(served, timeout=5)
+    assert (s["running"], s["kv_blocks_used"]) == (0, 0)
+    assert time.monotonic() - start < 5
+    # a non-streaming request whose client gives up is aborted too (the handler watches for the disconnect)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{served.url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    s = wait_idle(served, timeout=5)
+    assert (s["running"], s["kv_blocks_used"]) == (0, 0)
+    assert 'finished_reason="abort"' in httpx.get(f"{served.url}/metrics").text
+
+
+def test_200_requests_with_a_fifth_disconnecting_leave_no_blocks(served):
+    async def main():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=250)) as http:
+            jobs = []
+            for i in range(200):
+                leave = i % 5 == 0
+                body = {"model": "demo", "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "temperature": 0.8,
+                        "seed": i, "max_tokens": 200 if leave else 8, "ignore_eos": leave, "stream": True}
+                jobs.append(_stream_and_maybe_leave(http, served.url, body, 2 if leave else None))
+            return await asyncio.gather(*jobs)
+
+    texts = asyncio.run(main())
+    assert sum(1 for t in texts if t) >= 160
+    s = wait_idle(served, timeout=10)
+    assert (s["running"], s["waiting"], s["kv_blocks_used"]) == (0, 0, 0)
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: OpenAI's error body, the field named, and nothing reaches the engine
+# ---------------------------------------------------------------------------------------------------------
+
+C, H = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+LONG = "word " * 600  # > 512 tokens
+BAD = [
+    # (id, path, body (dict, or raw bytes), status, param, code)
+    ("temperature>2", C, {"prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
+    ("temperature<0", C, {"prompt": "x", "temperature": -0.5}, 400, "temperature", "invalid_value"),
+    ("top_p=0", C, {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("top_p>1", C, {"prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    ("n=0", C, {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
+    ("n=129", C, {"prompt": "x", "n": 129}, 400, "n", "invalid_value"),
+    ("logprobs=6", C, {"prompt": "x", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+    ("logprobs<0", C, {"prompt": "x", "logprobs": -1}, 400, "logprobs", "invalid_value"),
+    ("max_tokens=0", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("max_tokens str", C, {"prompt": "x", "max_tokens": "16"}, 400, "max_tokens", "invalid_type"),
+    ("presence>2", C, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value"),
+    ("frequency<-2", C, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", "invalid_value"),
+    ("top_k<-1", C, {"prompt": "x", "top_k": -2}, 400, "top_k", "invalid_value"),
+    ("min_p>1", C, {"prompt": "x", "min_p": 1.5}, 400, "min_p", "invalid_value"),
+    ("repetition=0", C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    ("seed str", C, {"prompt": "x", "seed": "1"}, 400, "seed", "invalid_type"),
+    ("seed 2**64", C, {"prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
+    ("stop x5", C, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ("stop empty", C, {"prompt": "x", "stop": ""}, 400, "stop", "invalid_value"),
+    ("stop_token_ids<0", C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids[0]", "invalid_value"),
+    ("stop_token_ids vocab", C, {"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids", "invalid_value"),
+    ("stream str", C, {"prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
+    ("ignore_eos int", C, {"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos", "invalid_type"),
+    ("prompt missing", C, {"max_tokens": 3}, 400, "prompt", "missing_required_parameter"),
+    ("prompt empty", C, {"prompt": ""}, 400, "prompt", None),
+    ("prompt []", C, {"prompt": []}, 400, "prompt", None),
+    ("prompt [[]]", C, {"prompt": [[]]}, 400, "prompt", None),
+    ("prompt bool", C, {"prompt": True}, 400, "prompt", None),
+    ("prompt id<0", C, {"prompt": [1, -2]}, 400, "prompt", None),
+    ("prompt id>=vocab", C, {"prompt": [1, 10**6]}, 400, "prompt", "invalid_value"),
+    ("prompt too long", C, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    ("prompt+max_tokens", C, {"prompt": "word " * 100, "max_tokens": 500}, 400, "max_tokens", "context_length_exceeded"),
+    ("stream_options alone", C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
+    ("echo+logprobs", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
+    ("logit_bias", C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
+    ("malformed JSON", C, b'{"prompt": "x",', 400, None, "json_invalid"),
+    ("body not object", C, b'["x"]', 400, None, "invalid_type"),
+    ("unknown model", C, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("messages missing", H, {"max_tokens": 3}, 400, "messages", "missing_required_parameter"),
+    ("messages []", H, {"messages": []}, 400, "messages", "invalid_value"),
+    ("role", H, {"messages": [{"role": "robot", "content": "Hi"}]}, 400, "messages[0].role", "invalid_value"),
+    ("content int", H, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
+    ("top_logprobs=6", H, {"messages": MSG, "logprobs": True, "top_logprobs": 6}, 400, "top_logprobs", "invalid_value"),
+    ("top_logprobs alone", H, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    ("logprobs str", H, {"messages": MSG, "logprobs": "true"}, 400, "logprobs", "invalid_type"),
+    ("max_completion_tokens=0", H, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", "invalid_value"),
+    ("chat too long", H, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
+    ("chat+max_tokens", H, {"messages": MSG, "max_tokens": 600}, 400, "max_tokens", "context_length_exceeded"),
+    ("tools", H, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    ("chat unknown model", H, {"messages": MSG, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("unknown path", "/v1/embeddings", {"input": "x"}, 404, None, "not_found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_and_error_body(served, path, body, status, param, code):
+    steps = served.bridge.stats.steps
+    if isinstance(body, bytes):
+        r = httpx.post(served.url + path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = httpx.post(served.url + path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    if code == "context_length_exceeded":  # the window and both token counts
+        assert "512" in error["message"] and re.search(r"\d+ (tokens )?in the (prompt|messages)", error["message"])
+    elif param and status == 400:
+        assert param.split("[")[0] in error["message"]
+    assert served.bridge.stats.steps == steps, "a refused request reached the engine"
+
+
+def test_context_error_names_both_counts_and_the_sdk_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="word " * 100, max_tokens=500)
+    message = e.value.body["message"]
+    assert "512" in message and "500 in the completion" in message and re.search(r"\(\d+ in the prompt", message)
+
+
+def test_method_not_allowed_and_body_too_large(served):
+    r = httpx.get(f"{served.url}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "x" * (2 << 20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 401, 429, 503: engines that stall or die (test doubles with the engine's interface)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_blocks: int = 1
+    num_preemptions: int = 0
+    num_batched_tokens: int = 0
+
+
+class StalledEngine:
+    """Accepts requests and never schedules them (they wait forever); or, with ``fail``, raises in step()."""
+
+    def __init__(self, real: LLMEngine, fail: bool = False):
+        self.tokenizer, self.config, self.max_model_len = real.tokenizer, real.config, real.max_model_len
+        self.waiting: list[str] = []
+        self.fail = fail
+
+    def add_request(self, request_id, prompt, sampling_params=None):
+        self.waiting.append(request_id)
+
+    def abort_request(self, request_id):
+        self.waiting = [r for r in self.waiting if r != request_id]
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting)
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("boom: the device fell off the bus")
+        time.sleep(0.005)
+        return []
+
+    @property
+    def stats(self):
+        return _Stats(num_waiting_reqs=len(self.waiting))
+
+
+def test_api_key_and_waiting_queue_limit(engine):
+    app = build_app(StalledEngine(engine), "demo", api_key="s3cret", max_waiting_requests=2)
+    body = {"model": "demo", "prompt": "x", "max_tokens": 4, "stream": True}
+    with serve(app) as url:
+        assert httpx.get(f"{url}/health").status_code == 200  # open without a key, as vLLM
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert sdk.models.list().data[0].id == "demo"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+
+        async def main():
+            auth = {"Authorization": "Bearer s3cret"}
+            async with httpx.AsyncClient(headers=auth, timeout=10) as http:
+                async with http.stream("POST", f"{url}/v1/completions", json=body) as a, \
+                        http.stream("POST", f"{url}/v1/completions", json=body) as b:
+                    assert a.status_code == b.status_code == 200
+                    r = await http.post(f"{url}/v1/completions", json=body)
+                    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+                    assert r.json()["error"]["type"] == "rate_limit_error"
+                    assert (await http.get(f"{url}/v1/engine/stats")).json()["waiting"] == 2
+                # both clients left: their requests are aborted, the queue has room again
+                for _ in range(200):
+                    if (await http.get(f"{url}/v1/engine/stats")).json()["waiting"] == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert (await http.get(f"{url}/v1/engine/stats")).json()["waiting"] == 0
+
+        asyncio.run(main())
+
+
+def test_a_dead_engine_loop_means_503(engine):
+    app = build_app(StalledEngine(engine, fail=True), "demo")
+    body = {"model": "demo", "prompt": "x", "max_tokens": 4}
+    with serve(app) as url:
+        assert httpx.get(f"{url}/health").status_code == 200  # idle: nothing has stepped yet
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "boom" in error["message"]
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(f"{url}/v1/engine/stats").json()["alive"] is False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Health, metrics, the page, the command line
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_health_and_metrics(served, client):
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    text = httpx.get(f"{served.url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket"):
+        assert re.search(rf'^{re.escape(name)}{{.*model_name="demo"', text, re.M), name
+    assert re.search(r'^vllm:request_success_total\{finished_reason="(stop|length)",model_name="demo"\} [1-9]', text,
+                     re.M)
+    tokens = float(re.search(r'^vllm:generation_tokens_total\{model_name="demo"\} (\S+)', text, re.M).group(1))
+    assert tokens >= 4
+
+
+def test_web_page_streams_a_completion(served, llm):
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium, or set CHROMIUM=/path/to/chrome)")
+    from playwright.sync_api import expect, sync_playwright
+
+    expected = greedy(llm, "The Python interpreter", 24)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page()
+            page.goto(served.url + "/")
+            expect(page.locator("#running")).to_have_text(re.compile(r"^\d+$"))
+            page.fill("#prompt", "The Python interpreter")
+            page.fill("#temperature", "0")
+            page.fill("#max-tokens", "24")
+            page.click("#generate")
+            expect(page.locator("#status")).to_have_text("done", timeout=30_000)
+            assert page.locator("#completion").text_content() == expected
+            assert page.evaluate("window.chunksReceived") > 1  # it arrived piece by piece
+            expect(page.locator("#ttft")).to_have_text(re.compile(r"^\d+ ms$"))
+            expect(page.locator("#tok-s")).to_have_text(re.compile(r"^\d+(\.\d)?$"))
+            expect(page.locator("#kv-usage")).to_have_text(re.compile(r"^\d+\.\d % \(\d+ of \d+ blocks\)$"))
+            expect(page.locator("#waiting")).to_have_text(re.compile(r"^\d+$"))
+        finally:
+            browser.close()
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    root = Path(__file__).parent.parent  # the folder that holds this package
+    return subprocess.Popen([sys.executable, "-m", __package__, *args], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--max-num-seqs", "0"], ["--bogus"], ["--dtype", "int3"],
+                                  ["--max-waiting-requests", "-1"]])
+def test_cli_bad_flags_one_line_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "error" in err
+
+
+def test_cli_bad_flag_as_a_process():
+    proc = _cli("--port", "-1")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_cli_serves_then_quits_quietly_on_ctrl_c(demo_snapshot):
+    proc = _cli("--model", str(demo_snapshot), "--port", "0", "--served-model-name", "tiny")
+    try:
+        first = proc.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", first).group(0)
+        assert "curl" in proc.stdout.readline()
+        assert httpx.get(f"{url}/health").status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130)
+    assert "Traceback" not in err
