@@ -21,6 +21,8 @@ BENCHMARKS = {
     "static_batch": ("benchmarks.static_batch", "step3's static batching vs step2 and HF batched: tok/s vs batch, mixed"),
     "continuous": ("benchmarks.continuous", "step4's continuous batching + paged KV vs step3 and HF: latency, memory"),
     "gpu": ("benchmarks.gpu", "steps 2-5 vs HF generate on a GPU: ms/token at B=1, tok/s vs B, fp16/fp32, profile"),
+    "attention": ("benchmarks.attention", "step5's Triton kernels vs PyTorch: prefill, paged decode, write_kv, KV memory"),
+    "server": ("benchmarks.server", "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson"),
 }
 
 

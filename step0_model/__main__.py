@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -19,8 +20,15 @@ from .model import GPT
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, reporting bad options as every error of this command line: one line, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m step0_model", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("prompt", help="the text whose next token is predicted")
@@ -81,3 +89,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
         print(file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -127,6 +127,8 @@ class LLM:
             if not all(isinstance(p, str) for p in prompts):
                 raise ValueError("prompts: must be strings (use prompt_token_ids= for token ids)")
         else:
+            if hasattr(prompt_token_ids, "tolist"):  # a numpy array or a torch tensor: [T] or [B, T]
+                prompt_token_ids = prompt_token_ids.tolist()
             if prompt_token_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
                 prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list
             prompts = list(prompt_token_ids)

@@ -14,6 +14,7 @@ which are vLLM's (temperature 1.0, 16 tokens).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -22,8 +23,15 @@ from .llm import LLM
 from .sampling import SamplingParams
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, reporting bad options as every error of this command line: one line, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=f"python -m {__package__}",
         description=__doc__.split("\n\n")[0] + " The summary gives prompt and generated tokens, the time to "
         "first token (TTFT) and the decode speed.",
@@ -138,3 +146,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
         print(file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -263,6 +263,8 @@ def test_lenient_and_strict_input_forms(llm):
     assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)[0].outputs[0].token_ids == expected  # one flat list
     assert llm.generate(prompt_token_ids=[np.array(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids == expected
     assert llm.generate(prompt_token_ids=[torch.tensor(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids == expected
+    assert llm.generate(prompt_token_ids=torch.tensor(ids), sampling_params=GREEDY)[0].outputs[0].token_ids == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=np.array([ids, ids]), sampling_params=GREEDY)] == [expected] * 2
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=[[True, 5]], sampling_params=GREEDY)
@@ -424,3 +426,21 @@ def test_cli_ctrl_c_ends_quietly_with_status_130():
         proc.kill()
     assert proc.returncode == 130
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("args", [["hi", "--max-tokens", "abc"], ["hi", "--no-such-option"]])
+def test_cli_bad_option_is_one_line_and_exit_2(args):
+    result = run_cli(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_cli_output_into_a_closed_pipe_is_quiet():
+    """`python -m <step> ... | head -c 10`: the reader leaves early; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "40"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.read(5)
+    proc.stdout.close()  # the reader is gone
+    _, stderr = proc.communicate(timeout=120)
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr

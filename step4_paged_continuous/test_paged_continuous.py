@@ -394,7 +394,7 @@ def demo_solo(demo_snapshot):
     return step2_kvcache.LLM(model=str(demo_snapshot))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events=EVENTS, block_size=st.sampled_from([2, 4, 16]), num_kv_blocks=st.integers(8, 40), max_num_seqs=st.integers(1, 5))
 def test_random_schedules_keep_invariants_and_outputs(demo_snapshot, demo_solo, events, block_size, num_kv_blocks, max_num_seqs):
     engine = LLMEngine(model=str(demo_snapshot), block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)

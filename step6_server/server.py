@@ -107,6 +107,10 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_waiting_requests`` allows."""
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its (non-streaming) answer was ready; its requests were aborted."""
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
 
@@ -702,7 +706,7 @@ class Server:
                 stop=stop + [s for s in extra_stop if s not in stop],
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
-                seed=None if req.seed is None else req.seed + choice,
+                seed=None if req.seed is None else (req.seed + choice) % 2**64 if req.seed + choice >= 2**64 else req.seed + choice,
                 output_kind=RequestOutputKind.DELTA,
             )
         except ValueError as e:
@@ -921,7 +925,7 @@ def queue_full(e: QueueFullError) -> APIError:
 async def cancel_on_disconnect(request: Request, work: Awaitable) -> Any:
     """Await ``work``, cancelling it if the client disconnects first (vLLM's ``with_cancellation``).
 
-    Raises asyncio.CancelledError if the client went away (there is nobody to answer)."""
+    Raises ClientDisconnected if the client went away (there is nobody to answer)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -938,7 +942,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable) -> Any:
     if not task.done() or task.cancelled():
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected()
     return task.result()
 
 
@@ -1085,13 +1089,18 @@ def build_app(
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it, nothing is logged
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        # 400 here is FastAPI's "error parsing the body" (not UTF-8, nested too deep): not JSON it can read
+        code = {400: "json_invalid", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                         "invalid_request_error", None, code).response()
 

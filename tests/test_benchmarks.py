@@ -1,5 +1,5 @@
-"""benchmarks/: the kvcache, static_batch, continuous and gpu benchmarks' code paths end to end on a tiny
-model on the CPU (structure of the JSON, not speed: tests never assert timings), redrawing a plot from the
+"""benchmarks/: the kvcache, static_batch, continuous, gpu, attention and server benchmarks' code paths end to
+end on a tiny model (the server's on the demo model) on the CPU (structure of the JSON, not speed: tests never assert timings), redrawing a plot from the
 JSON, the shared workload files, the harness's alternation, ratios, percentiles and target lines, and the
 synthetic GPT-2 vocabulary of the gpt2-124m-random model."""
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from benchmarks import continuous, gpu, harness, kvcache, static_batch, workloads
+from benchmarks import attention, continuous, gpu, harness, kvcache, server, static_batch, workloads
 from benchmarks.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
 from common.tokenizer import Tokenizer, byte_to_unicode
 
@@ -323,3 +323,103 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     (tmp_path / "gpu-cpu.png").unlink()
     harness.replot("gpu", "cpu", gpu.plot, gpu.report, out_dir=tmp_path)
     assert (tmp_path / "gpu-cpu.png").stat().st_size > 0
+
+
+def test_attention_benchmark_quick_path_matches_the_reference(tiny_model, tmp_path):
+    """--quick's path through Triton's interpreter on the tiny model's shape (4 heads x 8): every
+    implementation's output equals the fp32 reference, write_kv's pool equals step 4's, and the memory
+    model's prediction holds on step 5's engine (run here on the CPU, which reads no memory)."""
+    block_bytes = 2 * 2 * 16 * 4 * 8 * 4  # K and V x 2 layers x 16 tokens x 4 heads x 8 x fp32
+    sizes = {**attention.QUICK, "decode_seqs": [1, 2], "decode_ctx": [40], "kv_budgets": [16 * block_bytes],
+             "kv_lengths": [32, 48], "kv_generated": 8}
+    result = attention.run([tiny_model], "cpu", runs=1, sizes=sizes, quick=True, out_dir=tmp_path, measure_memory=True)
+
+    written = json.loads((tmp_path / "quick" / "attention-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "quick" / "attention-cpu.png").stat().st_size > 0
+    assert written["machine"]["triton_interpreter"] and written["machine"]["copy_bandwidth_bytes_per_s"] > 0
+    model = written["models"][tiny_model]
+    assert model["config"]["n_head"] == 4 and model["config"]["head_dim"] == 8
+
+    # a. prefill: T x (1 sequence, a batch of 2); every implementation equals the reference
+    assert [(p["T"], p["num_seqs"]) for p in model["prefill"]] == [(16, 1), (16, 2), (40, 1), (40, 2)]
+    for p in model["prefill"]:
+        assert set(p["max_abs_diff"]) == {"materialised", "sdpa", "triton_paged"} and p["errors"] == {}
+        assert all(d < 1e-4 for d in p["max_abs_diff"].values()), p["max_abs_diff"]
+        for m in p["median"].values():
+            assert m["ms"] > 0 and m["tflops"] > 0 and m["peak_bytes"] is None  # no peak memory on a CPU
+        assert p["ratios"]["materialised/triton"]["median"] > 0 and p["ratios"]["triton/sdpa"]["median"] > 0
+
+    # b. decode: step 4's gather + SDPA and the four Triton ways agree with the reference
+    assert [(p["num_seqs"], p["context"]) for p in model["decode"]] == [(1, 40), (2, 40)]
+    for p in model["decode"]:
+        assert set(p["max_abs_diff"]) == {"step4_gather_sdpa", *attention.DECODE_SPLITS}
+        assert all(d < 1e-4 for d in p["max_abs_diff"].values()), p["max_abs_diff"]
+        assert p["kv_bytes"] == 2 * p["num_seqs"] * 40 * 4 * 8 * 4
+        for m in p["median"].values():
+            assert m["kv_bytes_per_s"] > 0 and m["share_of_copy_bandwidth"] > 0
+        assert p["ratios"]["step4/triton_auto"]["median"] > 0
+
+    # c. write_kv: the kernel leaves the pool exactly as step 4's indexing does
+    assert [p["tokens"] for p in model["write_kv"]] == attention.QUICK["write_tokens"]
+    assert all(p["pools_equal"] for p in model["write_kv"])
+
+    # d. the memory model: the predicted number of sequences runs at once, one more does not
+    mem = model["memory"]
+    assert mem["bytes_per_block"] == block_bytes and mem["weight_bytes"] == 4 * mem["parameters"]
+    assert [(p["sequence_tokens"], p["blocks"], p["sequences"]) for p in mem["points"]] == [(32, 16, 8), (48, 16, 5)]
+    for p in mem["points"]:
+        assert p["predicted_bytes"] == mem["weight_bytes"] + 16 * block_bytes
+        engine, more = p["engine"], p["engine_one_more"]
+        assert engine["max_running"] == p["sequences"] and engine["num_preemptions"] == 0
+        assert engine["kv_pool_bytes"] == p["kv_pool_bytes"] and engine["generated_tokens"] == 8 * p["sequences"]
+        assert more["max_running"] < p["sequences"] + 1 or more["num_preemptions"] > 0
+        assert engine["peak_bytes"] is None  # read on CUDA only
+
+    report = attention.report(written)
+    assert report.count("not measured at full size") == 5 and "MISSED" not in report
+    with pytest.raises(ValueError, match="need a CUDA GPU"):
+        attention.main(device="cpu")
+
+
+def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
+    """--quick end to end on the demo model (trained: greedy ids have no near-ties): python -m step6_server
+    in a subprocess against the engine in process, the same requests, the same texts."""
+    result = server.main(models=["demo"], device="cpu", quick=True, out_dir=tmp_path)
+
+    written = json.loads((tmp_path / "quick" / "server-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "quick" / "server-cpu.png").stat().st_size > 0
+    assert len(written["machine"]["load_average_start"]) == 3 and len(written["machine"]["load_average_end"]) == 3
+    w = written["workload"]
+    model = written["models"]["demo"]
+    conc = w["concurrency"]["workload"]["requests"]
+    assert len(conc) == server.QUICK["requests"] and all(r["max_tokens"] <= server.QUICK["max_tokens"] for r in conc)
+
+    c = model["concurrency"]
+    assert c["streams"] == server.STREAMS
+    for engine in ("in_process", "http"):
+        (run,) = c["runs"][engine]
+        assert run["requests_served"] == len(conc) and run["generated_tokens"] == sum(r["max_tokens"] for r in conc)
+        assert run["steps"] > 0 and run["throughput_tok_s"] > 0
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p95_s"] <= run["ttft_p99_s"]
+        assert 0 < run["itl_p50_s"] <= run["itl_p99_s"]
+        for rec in run["requests"]:
+            assert rec["arrival_s"] <= rec["first_token_s"] <= rec["finished_s"]
+    assert c["http_text_equals_in_process"] == {"per_run": [len(conc)], "requests": len(conc)}
+    assert c["ratios"]["http/in_process throughput"]["median"] > 0
+    assert c["ratios"]["outside engine share"]["median"] < 1
+    assert model["capacity_requests_per_s"] == c["median"]["in_process"]["requests_per_s"]
+
+    (p,) = model["arrivals"]
+    n = len(w["arrivals"]["workload"]["requests"])
+    assert p["load"] == 0.5 and p["rate_per_s"] == pytest.approx(0.5 * model["capacity_requests_per_s"])
+    assert p["arrival_s"] == server.poisson(n, p["rate_per_s"], server.ARRIVAL_SEED) == sorted(p["arrival_s"])
+    assert p["http_text_equals_in_process"]["per_run"] == [n]
+    for engine in ("in_process", "http"):
+        records = p["runs"][engine][0]["requests"]
+        assert [r["arrival_s"] for r in records] == p["arrival_s"]  # latency counts from each request's arrival
+        assert all(r["arrival_s"] <= r["first_token_s"] for r in records)
+
+    report = server.report(written)
+    assert "not measured at full size" in report and "MISSED" not in report and "load average" in report

@@ -1,0 +1,469 @@
+"""Step 6's benchmark: what the HTTP server costs on top of the engine it serves.
+
+The same requests go to the same engine two ways, alternated within each run:
+
+- ``in_process``: ``step6_server.LLMEngine`` driven directly in this process (``add_request`` between
+  ``step()`` calls as the requests arrive, the step loop in a thread of its own, as the server's), as an
+  application embedding the engine would;
+- ``http``: ``python -m step6_server`` in a subprocess (the same model and engine settings), loaded by an
+  asynchronous HTTP client in this process (``httpx.AsyncClient``), one streaming ``POST /v1/completions``
+  per request with the prompt as token ids, ``temperature 0``, ``ignore_eos``, ``max_tokens`` = the
+  request's, ``stream_options.include_usage``. Each SSE event's arrival is a token time (an event can carry
+  two tokens when the first ended inside a UTF-8 character; the token count is the usage's).
+
+Both generate greedily from the same engine, so each request's text must come out the same both ways: the
+JSON counts the requests whose HTTP text equals the in-process text, per run.
+
+Requests: the shared ``mixed`` workload (``benchmarks/workloads``: prompt token ids from its seeds, its
+lengths). Two kinds of load:
+
+a. a fixed concurrency of 16 streams (a closed loop: 16 requests in flight, the next one sent when one
+   finishes) over the first ``CONCURRENCY_REQUESTS`` mixed requests: throughput (generated tokens / s of
+   the whole run); target: HTTP >= 90% of in-process;
+b. Poisson arrivals (exponential gaps, ``random.Random(ARRIVAL_SEED)``) at fractions ``LOADS`` of the
+   in-process capacity measured in a. (requests / s), so that the points mean the same on any device:
+   throughput, TTFT and ITL p50 / p95 / p99 from each request's own arrival time.
+
+"Outside the engine" is what the HTTP path adds: per run, ``1 - in_process wall / http wall`` (the share
+of the HTTP run's time not explained by the engine's work: JSON, SSE, sockets, the inbox and asyncio
+queues, the client), and the TTFT difference. Both sides share the machine's cores with the client, as any
+load test on one host does; on 2 cores that matters, as does any other process: the JSON records the load
+average at the start and the end (``machine.load_average_start`` / ``_end``).
+
+    python -m benchmarks server                          # demo, 3 runs (5.4 min measured on 2 busy cores)
+    python -m benchmarks server --quick                  # 1 run, fewer and shorter requests (~25 s)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import harness, workloads
+from .models import snapshot
+
+NAME = "server"
+DEFAULT_MODELS = ["demo"]
+DEFAULT_RUNS = 3
+MAX_NUM_SEQS = 16
+STREAMS = 16  # the fixed-concurrency point: 16 streams in flight
+CONCURRENCY_REQUESTS = 48  # the first 48 mixed requests (three rounds of 16 on average)
+LOADS = [0.25, 0.5, 0.75]  # Poisson arrival rates as fractions of the in-process capacity at 16 streams
+ARRIVAL_REQUESTS = 32  # the first 32 mixed requests for the Poisson points
+ARRIVAL_SEED = 6
+BLOCK_SIZE = 16
+WARMUP_TOKENS = 4
+# --quick: 16 and 12 requests, prompts <= 64 tokens, max_tokens <= 32, one Poisson point
+QUICK = {"requests": 16, "arrival_requests": 12, "max_prompt_tokens": 64, "max_tokens": 32, "loads": [0.5]}
+TARGET = ">= 0.9"
+REPO = Path(__file__).resolve().parent.parent
+ENGINES = {
+    "in_process": f"step6_server.LLMEngine(max_num_seqs={MAX_NUM_SEQS}, block_size={BLOCK_SIZE}, float32; other "
+    "arguments: their defaults), add_request as requests arrive, step() while busy, in a thread of its own; "
+    "outputs as DELTA",
+    "http": f"python -m step6_server --max-num-seqs {MAX_NUM_SEQS} --block-size {BLOCK_SIZE} (the same engine) in a "
+    "subprocess; httpx.AsyncClient in this process, one streaming POST /v1/completions per request (prompt as "
+    "token ids, temperature 0, ignore_eos, stream_options.include_usage)",
+}
+
+
+def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False,
+         out_dir: Path = harness.RESULTS) -> dict:
+    """The CLI entry (``python -m benchmarks server``): the full or quick workloads on each model."""
+    mixed = workloads.load("mixed")
+    if quick:
+        caps = (QUICK["max_prompt_tokens"], QUICK["max_tokens"])
+        return run(models or DEFAULT_MODELS, device, 1, workloads.take(mixed, QUICK["requests"], *caps),
+                   workloads.take(mixed, QUICK["arrival_requests"], *caps), QUICK["loads"], quick=True,
+                   out_dir=out_dir)
+    return run(models or DEFAULT_MODELS, device, runs, workloads.take(mixed, CONCURRENCY_REQUESTS),
+               workloads.take(mixed, ARRIVAL_REQUESTS), LOADS, out_dir=out_dir)
+
+
+def run(models: list[str], device: str, runs: int, concurrency_workload: dict, arrival_workload: dict,
+        loads: list[float], streams: int = STREAMS, quick: bool = False, out_dir: Path = harness.RESULTS) -> dict:
+    """Measure every model; write ``<out_dir>/server-<device>.json`` and ``.png``; return the result.
+
+    concurrency_workload: the requests of the fixed-concurrency point, ``streams`` in flight at a time.
+    arrival_workload: the requests of the Poisson points (their own arrival times are replaced). loads: the
+    Poisson rates as fractions of the in-process capacity measured at the fixed concurrency.
+    """
+    started = time.perf_counter()
+    result = {
+        "benchmark": NAME,
+        "machine": {**harness.machine_info(device, "float32"), "load_average_start": os.getloadavg()},
+        "workload": {
+            "sampling": "greedy (temperature 0), ignore_eos: every request generates exactly max_tokens",
+            "runs": runs,
+            "quick": quick,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "block_size": BLOCK_SIZE,
+            "concurrency": {"streams": streams, "summary": workloads.summary(concurrency_workload),
+                            "workload": concurrency_workload},
+            "arrivals": {"loads": loads, "seed": ARRIVAL_SEED, "summary": workloads.summary(arrival_workload),
+                         "workload": arrival_workload,
+                         "process": "Poisson at load x the in-process requests/s at the fixed concurrency: the first "
+                         "request at 0 s, then gaps random.Random(seed).expovariate(rate)"},
+            "engines": ENGINES,
+            "warmup": f"before each point, each engine once on the point's first {streams} requests with at most "
+            f"{WARMUP_TOKENS} new tokens, all at once, untimed",
+            "timing": "time.perf_counter in this process, from the start of the load; TTFT and latency from each "
+            "request's own arrival (at the fixed concurrency: when it was sent); ITL = gaps between a request's "
+            "outputs (in-process: engine outputs; HTTP: SSE events); engines alternated within each run (order "
+            "rotated per run); medians over runs; ratios are medians of per-run ratios",
+            "outside_engine": "1 - in_process wall / http wall, run by run: the share of the HTTP run's time that "
+            "the engine's own work on the same requests does not explain",
+        },
+        "models": {},
+    }
+    harness.run_models(result, models, lambda name: bench_model(name, device, runs, concurrency_workload,
+                                                               arrival_workload, loads, streams))
+    result["machine"]["load_average_end"] = os.getloadavg()
+    return harness.finish(NAME, device, result, started, plot, report, out_dir)
+
+
+def bench_model(name: str, device: str, runs: int, concurrency_workload: dict, arrival_workload: dict,
+                loads: list[float], streams: int) -> dict:
+    """Both points on one model: the engine in this process and the server in a subprocess, alternated."""
+    import step6_server
+
+    folder = snapshot(name)
+    engine = step6_server.LLMEngine(model=str(folder), device=device, dtype="float32", block_size=BLOCK_SIZE,
+                                    max_num_seqs=MAX_NUM_SEQS)
+    config = engine.config
+    conc_reqs = workloads.requests(concurrency_workload, config.vocab_size, config.n_positions)
+    arr_reqs = workloads.requests(arrival_workload, config.vocab_size, config.n_positions)
+    fields = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+    out: dict = {"snapshot": str(folder), "config": {k: getattr(config, k) for k in fields}}
+    with ServerProcess(folder, device) as url:
+        def engines(requests, arrivals=None, concurrency=None) -> dict:
+            return {
+                "in_process": lambda: in_thread(run_in_process, engine, step6_server, requests, arrivals, concurrency),
+                "http": lambda: asyncio.run(run_http(url, requests, arrivals, concurrency)),
+            }
+
+        def measure(requests, arrivals=None, concurrency=None) -> dict:
+            warm = [workloads.Request(r.index, r.prompt_token_ids, min(r.max_tokens, WARMUP_TOKENS))
+                    for r in requests[:streams]]
+            for call in engines(warm, None, streams).values():
+                call()
+            raw = harness.alternate(engines(requests, arrivals, concurrency), runs, warmup=0)
+            same = [same_texts(h, i) for i, h in zip(raw["in_process"], raw["http"])]
+            runs_out = {e: [summarise(r) for r in rs] for e, rs in raw.items()}
+            i_runs, h_runs = runs_out["in_process"], runs_out["http"]
+
+            def per_run(values: list[float]) -> dict:
+                return {"per_run": values, "median": harness.median(values)}
+
+            return {
+                "runs": runs_out,
+                "median": {e: harness.medians(rs) for e, rs in runs_out.items()},
+                "ratios": {
+                    "http/in_process throughput": harness.ratio(h_runs, i_runs, "throughput_tok_s"),
+                    "outside engine share": per_run([1 - i["wall_s"] / h["wall_s"] for i, h in zip(i_runs, h_runs)]),
+                    "http-in_process ttft p50 s": per_run([h["ttft_p50_s"] - i["ttft_p50_s"]
+                                                           for i, h in zip(i_runs, h_runs)]),
+                },
+                "http_text_equals_in_process": {"per_run": same, "requests": len(requests)},
+            }
+
+        print(f"  {streams} concurrent streams: {len(conc_reqs)} mixed requests", flush=True)
+        point = measure(conc_reqs, concurrency=streams)
+        print_point(point)
+        out["concurrency"] = {"streams": streams, **point}
+        capacity = point["median"]["in_process"]["requests_per_s"]
+        out["capacity_requests_per_s"] = capacity
+        out["arrivals"] = []
+        for load in loads:
+            rate = load * capacity
+            arrivals = poisson(len(arr_reqs), rate, ARRIVAL_SEED)
+            print(f"  Poisson arrivals at {rate:.2f} requests/s ({load:.0%} of capacity): {len(arr_reqs)} requests "
+                  f"over {arrivals[-1]:.1f} s", flush=True)
+            p = measure(arr_reqs, arrivals=arrivals)
+            print_point(p)
+            out["arrivals"].append({"load": load, "rate_per_s": rate, "arrival_s": arrivals, **p})
+    return out
+
+
+def print_point(point: dict) -> None:
+    m = point["median"]
+    print("    " + ", ".join(f"{e} {m[e]['throughput_tok_s']:.0f} tok/s, TTFT p50 {1e3 * m[e]['ttft_p50_s']:.0f} ms"
+                             for e in ("in_process", "http"))
+          + f"; HTTP / in-process {point['ratios']['http/in_process throughput']['median']:.2f}x", flush=True)
+
+
+def same_texts(http: dict, in_process: dict) -> int:
+    """How many requests have the same generated text (and token count) over HTTP as in process."""
+    theirs = {r["index"]: (r["text"], r["generated_tokens"]) for r in in_process["requests"]}
+    return sum(theirs.get(r["index"]) == (r["text"], r["generated_tokens"]) for r in http["requests"])
+
+
+def in_thread(fn, *args):
+    """``fn(*args)`` in a fresh thread, as the server steps its engine in its engine-loop thread.
+
+    On a CPU, torch ran the same steps up to 4x faster in a non-main thread than in the main thread of a
+    busy 2-core machine (its intra-op thread pool behaves differently); driving both engines from a
+    thread of their own keeps that difference out of the comparison.
+    """
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+    thread.start()
+    thread.join()
+    if not out:
+        raise RuntimeError(f"{fn.__name__} failed (see the traceback above)")
+    return out[0]
+
+
+def poisson(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival times of n requests: the first at 0, then exponential gaps of mean 1 / rate seconds."""
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+# ---- the two drivers: each returns {"wall_s", "steps", "requests": [records]} ----------------------------------
+
+
+def _record(r: workloads.Request, arrival: float, token_times: list[float], generated: int, text: str) -> dict:
+    return {"index": r.index, "prompt_tokens": r.prompt_tokens, "generated_tokens": generated, "arrival_s": arrival,
+            "first_token_s": token_times[0], "finished_s": token_times[-1],
+            "itl_s": [b - a for a, b in zip(token_times, token_times[1:])], "text": text}
+
+
+def run_in_process(engine, module, requests, arrivals=None, concurrency=None) -> dict:
+    """Drive the engine directly: requests join between steps when they arrive (``arrivals``, seconds) or,
+    with ``concurrency``, as soon as fewer than that are in flight."""
+    params = {r.index: module.SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                                             output_kind=module.RequestOutputKind.DELTA) for r in requests}
+    pending = list(zip(requests, arrivals or [0.0] * len(requests)))
+    by_id = {str(r.index): r for r in requests}
+    arrived: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    texts: dict[str, list[str]] = {}
+    in_flight, steps, records = 0, 0, []
+    t0 = time.perf_counter()
+    while pending or in_flight:
+        now = time.perf_counter() - t0
+        while pending and pending[0][1] <= now and (concurrency is None or in_flight < concurrency):
+            r, at = pending.pop(0)
+            engine.add_request(str(r.index), r.prompt_token_ids, params[r.index])
+            arrived[str(r.index)] = at if arrivals else now
+            in_flight += 1
+        if not in_flight:
+            time.sleep(max(0.0, t0 + pending[0][1] - time.perf_counter()))
+            continue
+        outs = engine.step()
+        steps += 1
+        now = time.perf_counter() - t0
+        for o in outs:
+            c = o.outputs[0]
+            times.setdefault(o.request_id, []).append(now)
+            counts[o.request_id] = counts.get(o.request_id, 0) + len(c.token_ids)
+            texts.setdefault(o.request_id, []).append(c.text)
+            if o.finished:
+                in_flight -= 1
+                records.append(_record(by_id[o.request_id], arrived[o.request_id], times[o.request_id],
+                                       counts[o.request_id], "".join(texts[o.request_id])))
+    return {"wall_s": time.perf_counter() - t0, "steps": steps, "requests": sorted(records, key=lambda x: x["index"])}
+
+
+async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
+    """The same load over HTTP: one streaming request per workload request, Poisson-timed or ``concurrency``
+    at a time; token times are the arrival times of the SSE events. ``steps``: the server's engine steps
+    over the run (``/v1/engine/stats`` before and after)."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency or len(requests))
+    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+
+    async def one(http: httpx.AsyncClient, r, at: float, t0: float) -> dict:
+        if arrivals:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        async with gate:
+            sent = time.perf_counter() - t0
+            body = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            token_times, generated, text = [], 0, []
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise ConnectionError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise ConnectionError(event["error"]["message"])
+                    if event["choices"]:
+                        token_times.append(time.perf_counter() - t0)
+                        text.append(event["choices"][0]["text"])
+                    if event.get("usage"):
+                        generated = event["usage"]["completion_tokens"]
+        return _record(r, at if arrivals else sent, token_times, generated, "".join(text))
+
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        steps_before = (await http.get(f"{url}/v1/engine/stats")).json()["steps"]
+        t0 = time.perf_counter()
+        records = await asyncio.gather(*(one(http, r, at, t0)
+                                         for r, at in zip(requests, arrivals or [0.0] * len(requests))))
+        wall = time.perf_counter() - t0
+        steps = (await http.get(f"{url}/v1/engine/stats")).json()["steps"] - steps_before
+    return {"wall_s": wall, "steps": steps, "requests": sorted(records, key=lambda x: x["index"])}
+
+
+def summarise(run: dict) -> dict:
+    """One run's figures: throughput, requests/s, engine steps, TTFT / ITL / latency percentiles (seconds),
+    and its request records (without their texts and token gaps)."""
+    recs = run["requests"]
+    generated = sum(r["generated_tokens"] for r in recs)
+    ttft = [r["first_token_s"] - r["arrival_s"] for r in recs]
+    itl = [x for r in recs for x in r["itl_s"]]
+    latency = [r["finished_s"] - r["arrival_s"] for r in recs]
+    figures = {"wall_s": run["wall_s"], "steps": run["steps"], "requests_served": len(recs),
+               "generated_tokens": generated, "throughput_tok_s": generated / run["wall_s"],
+               "requests_per_s": len(recs) / run["wall_s"]}
+    for label, values in (("ttft", ttft), ("itl", itl), ("latency", latency)):
+        for q in (50, 95, 99):
+            figures[f"{label}_p{q}_s"] = harness.percentile(values, q)
+    return {**figures, "requests": [{k: v for k, v in r.items() if k not in ("itl_s", "text")} for r in recs]}
+
+
+class ServerProcess:
+    """``python -m step6_server`` on a free loopback port for the duration of a ``with`` block; yields its URL.
+
+    Raises ConnectionError if the server does not start (its stderr in the message)."""
+
+    def __init__(self, folder: Path, device: str):
+        self.args = [sys.executable, "-m", "step6_server", "--model", str(folder), "--device", device, "--port", "0",
+                     "--max-num-seqs", str(MAX_NUM_SEQS), "--block-size", str(BLOCK_SIZE),
+                     "--max-waiting-requests", "100000"]
+
+    def __enter__(self) -> str:
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a pipe nobody reads can fill and block
+        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.proc.stdout.readline()  # "serving <model> on http://127.0.0.1:<port> ...", once it listens
+        found = re.search(r"http://127\.0\.0\.1:\d+", line)
+        if not found:
+            self.proc.kill()
+            self.proc.wait()
+            self.stderr.seek(0)
+            raise ConnectionError(f"step6_server did not start: {line}{self.stderr.read()[-2000:]}")
+        return found.group(0)
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.stderr.close()
+
+
+# ---- report and plot -----------------------------------------------------------------------------------------
+
+
+def targets(model: dict, workload: dict) -> list[dict]:
+    """The step's target on one model's results: ``harness.target_line``'s arguments; full size only on the
+    full workload (not --quick) at 16 streams."""
+    c = model["concurrency"]
+    full = not workload["quick"] and c["streams"] == STREAMS and \
+        workload["concurrency"]["summary"]["requests"] == CONCURRENCY_REQUESTS
+    return [{"label": f"HTTP / in-process throughput at {c['streams']} concurrent streams",
+             "value": c["ratios"]["http/in_process throughput"]["median"], "target": TARGET, "full_size": full}]
+
+
+def points(model: dict) -> list[tuple[str, dict]]:
+    """(label, point): the fixed concurrency, then the Poisson points."""
+    return [(f"{model['concurrency']['streams']} streams", model["concurrency"])] + \
+        [(f"Poisson {p['rate_per_s']:.2f}/s", p) for p in model["arrivals"]]
+
+
+def report(result: dict) -> str:
+    """The table printed at the end: per point and engine, throughput, TTFT and ITL percentiles, the share of
+    time outside the engine, and whether the texts matched; then the target."""
+    m, w = result["machine"], result["workload"]
+    load = f"load average {m['load_average_start'][0]:.2f} at the start, {m['load_average_end'][0]:.2f} at the end"
+    lines = [f"server on {m['device']} ({m['cpu']}, {m['torch_threads']} torch threads), torch {m['torch']}, "
+             f"{w['runs']} run(s), medians; {load}"]
+    headers = ["load", "engine", "tok/s", "steps", "TTFT p50 ms", "p95", "p99", "ITL p50 ms", "p95", "p99",
+               "outside engine", "same text"]
+    for name, model in result["models"].items():
+        lines.append(f"\n## {name}: in-process capacity {model['capacity_requests_per_s']:.2f} requests/s at "
+                     f"{model['concurrency']['streams']} streams")
+        rows = []
+        for label, p in points(model):
+            for engine in ("in_process", "http"):
+                s = p["median"][engine]
+                http = engine == "http"
+                share = p["ratios"]["outside engine share"]["median"]
+                same = p["http_text_equals_in_process"]
+                rows.append([label, engine, s["throughput_tok_s"], s["steps"],
+                             *(1e3 * s[f"ttft_p{q}_s"] for q in (50, 95, 99)),
+                             *(1e3 * s[f"itl_p{q}_s"] for q in (50, 95, 99)),
+                             f"{100 * share:.1f}%" if http else None,
+                             f"{min(same['per_run'])}/{same['requests']}" if http else None])
+        lines.append(harness.table(headers, rows))
+        per_run = model["concurrency"]["ratios"]["http/in_process throughput"]["per_run"]
+        lines.append(f"HTTP / in-process throughput at {model['concurrency']['streams']} streams, run by run: "
+                     + ", ".join(f"{x:.2f}" for x in per_run) + " (a busy machine moves single runs)")
+        lines.append("\ntargets")
+        lines.extend(harness.target_line(**t) for t in targets(model, w))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Per model: throughput, TTFT and ITL percentiles against the Poisson rate, both engines; the 16-stream
+    throughputs dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(len(models), 3, figsize=(17, 5 * len(models)), squeeze=False)
+    colors = {"in_process": "C2", "http": "C0"}
+    for row, (name, model) in zip(axes, models.items()):
+        pts = model["arrivals"]
+        xs = [p["rate_per_s"] for p in pts]
+        ax = row[0]
+        c = model["concurrency"]
+        for engine in ("in_process", "http"):
+            ax.plot(xs, [p["median"][engine]["throughput_tok_s"] for p in pts], marker="o", color=colors[engine],
+                    label=f"{engine.replace('_', '-')}, Poisson")
+            ax.axhline(c["median"][engine]["throughput_tok_s"], color=colors[engine], linestyle="--", linewidth=1,
+                       label=f"{engine.replace('_', '-')}, {c['streams']} streams")
+        ratio = c["ratios"]["http/in_process throughput"]["median"]
+        ax.set(xlabel="Poisson arrival rate (requests / s)", ylabel="generated tokens / s", ylim=(0, None),
+               title=f"{name}: throughput (HTTP / in-process at {c['streams']} streams: {ratio:.2f}x)")
+        ax.legend(fontsize=8)
+        for ax, key, label in ((row[1], "ttft", "time to first token"), (row[2], "itl", "inter-token latency")):
+            for engine in ("in_process", "http"):
+                for q, style in ((50, "-"), (95, "--"), (99, ":")):
+                    ax.plot(xs, [1e3 * p["median"][engine][f"{key}_p{q}_s"] for p in pts], marker="o", linestyle=style,
+                            color=colors[engine], label=f"{engine.replace('_', '-')} p{q}")
+            ax.set(xlabel="Poisson arrival rate (requests / s)", ylabel="ms", ylim=(0, None), title=f"{name}: {label}")
+            ax.legend(fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"HTTP server vs in-process engine, {m['device']} ({m['cpu']}), median of "
+                 f"{result['workload']['runs']} run(s), load average {m['load_average_start'][0]:.1f} -> "
+                 f"{m['load_average_end'][0]:.1f}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
