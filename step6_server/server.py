@@ -57,7 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import LLMEngine
@@ -481,6 +481,12 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     """The sampling fields the two endpoints share (OpenAI's, then vLLM's extras)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def null_means_default(cls, body: Any) -> Any:
+        """OpenAI's fields are nullable: an explicit null takes the field's default, as leaving it out does."""
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
     model: str | None = None  # OpenAI requires it; vLLM (and this server) default to the served model
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -505,7 +511,7 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions (OpenAI's CreateCompletionRequest + vLLM's extras)."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)  # None: up to the context window (vLLM)
+    max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)

@@ -642,3 +642,17 @@ def test_cli_serves_then_quits_quietly_on_ctrl_c(demo_snapshot):
             proc.kill()
     assert proc.returncode in (0, 130)
     assert "Traceback" not in err
+
+
+def test_null_fields_take_their_defaults(served):
+    """OpenAI's request fields are nullable: a client that sends null (as some do) gets the default."""
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "temperature": None, "top_p": None,
+             "stop": None, "seed": None, "logprobs": None, "stream": None, "echo": None, "user": None, "logit_bias": None}
+    body = {"model": "demo", "prompt": "The Python interpreter", "max_tokens": 4, "temperature": 0}
+    base_url = served.url
+    with_nulls = httpx.post(f"{base_url}/v1/completions", json={**nulls, **body, "temperature": 0}, timeout=60)
+    plain = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert with_nulls.status_code == 200, with_nulls.text
+    assert with_nulls.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    default_length = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": None, "ignore_eos": True}, timeout=60)
+    assert default_length.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens
