@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-STEPS = ["step1_generate", "step2_kvcache", "step3_static_batch", "step4_paged_continuous"]
+STEPS = ["step1_generate", "step2_kvcache", "step3_static_batch", "step4_paged_continuous", "step5_flash_gpu"]
 PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised"]
 
 
@@ -83,7 +83,7 @@ def syncs_in_one_step(engine) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("step", ["step3_static_batch", "step4_paged_continuous"])
+@pytest.mark.parametrize("step", ["step3_static_batch", "step4_paged_continuous", "step5_flash_gpu"])
 def test_one_host_sync_per_engine_step(step, demo_snapshot):
     module = importlib.import_module(step)
     llm = module.LLM(model=str(demo_snapshot), device="cuda")
