@@ -71,11 +71,11 @@ class ModelRunner:
         tables = [blocks.block_tables[seq.request_id] for seq in scheduled.decodes]
         width = max((len(t) for t in tables), default=1)
         padded_tables = [x for t in tables for x in t + [0] * (width - len(t))]  # short rows padded with block 0
-        N, D = len(token_ids), len(seq_lens)
+        N, S_d = len(token_ids), len(seq_lens)  # new tokens, decodes
         # one host-to-device copy for the whole step
         packed = self.to_device(token_ids + positions + slots + query_start_loc[1:] + seq_lens + padded_tables)
         input_ids, positions_t, slot_mapping, ends, decode_seq_lens, decode_block_tables = packed.split(
-            [N, N, N, len(query_start_loc) - 1, D, D * width]
+            [N, N, N, len(query_start_loc) - 1, S_d, S_d * width]
         )
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -83,7 +83,7 @@ class ModelRunner:
             logits_indices=ends - 1,  # each sequence's last new token
             num_prefills=len(scheduled.prefills),
             decode_seq_lens=decode_seq_lens,
-            decode_block_tables=decode_block_tables.view(D, width),
+            decode_block_tables=decode_block_tables.view(S_d, width),
         )
         return input_ids, positions_t, meta
 
