@@ -22,7 +22,6 @@ class ModelRunner:
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, device: torch.device):
         self.model = model
-        self.config = model.config
         self.tokenizer = tokenizer
         self.device = device
 

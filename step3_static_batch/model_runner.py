@@ -28,7 +28,7 @@ class ModelRunner:
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, device: torch.device):
         self.model = model
-        self.config = model.config
+        self.config = model.config  # the cache's shape
         self.tokenizer = tokenizer
         self.device = device
         self.kv_cache: KVCache | None = None  # the running batch's

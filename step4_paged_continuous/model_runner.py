@@ -34,7 +34,6 @@ class ModelRunner:
         self, model: GPT, tokenizer: Tokenizer, device: torch.device, kv_cache: PagedKVCache, block_manager: BlockManager
     ):
         self.model = model
-        self.config = model.config
         self.tokenizer = tokenizer
         self.device = device
         self.kv_cache = kv_cache  # the pool every sequence's blocks live in
@@ -46,7 +45,7 @@ class ModelRunner:
         (and its logprobs, if asked for), in the order prefills + decodes."""
         input_ids, positions, meta = self.prepare_inputs(scheduled)
         logits = self.model(input_ids, positions, self.kv_cache, meta)  # [S, V], one row per sequence
-        return self.sample(scheduled.prefills + scheduled.decodes, logits)
+        return self.sample(scheduled.seqs, logits)
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step's sequences into one batch: token ids, positions and slot mapping [N] each,

@@ -121,7 +121,6 @@ class Sequence:
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed % 2**64)
-        self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.text = ""  # released output text
         self.pending = ""  # decoded text held back: it may be the start of a stop string

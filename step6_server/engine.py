@@ -221,10 +221,10 @@ class LLMEngine:
         """
         outputs, self.aborted = self.aborted, []
         scheduled = self.scheduler.schedule()
-        if not scheduled.prefills and not scheduled.decodes:
+        if not scheduled.seqs:
             return outputs
         token_ids, logprobs = self.model_runner.run(scheduled)
-        for seq, token_id, token_logprobs in zip(scheduled.prefills + scheduled.decodes, token_ids, logprobs):
+        for seq, token_id, token_logprobs in zip(scheduled.seqs, token_ids, logprobs):
             seq.append(token_id, token_logprobs)
             if (out := seq.output()) is not None:
                 outputs.append(out)

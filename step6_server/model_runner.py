@@ -41,7 +41,6 @@ class ModelRunner:
     ):
         self.attention_backend = attention_backend  # "triton" or "torch"
         self.model = model
-        self.config = model.config
         self.tokenizer = tokenizer
         self.device = device
         self.kv_cache = kv_cache  # the pool every sequence's blocks live in
@@ -53,7 +52,7 @@ class ModelRunner:
         (and its logprobs, if asked for), in the order prefills + decodes."""
         input_ids, positions, meta = self.prepare_inputs(scheduled)
         logits = self.model(input_ids, positions, self.kv_cache, meta)  # [S, V], one row per sequence
-        return self.sample(scheduled.prefills + scheduled.decodes, logits)
+        return self.sample(scheduled.seqs, logits)
 
     def prepare_inputs(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step's sequences into one batch: token ids, positions and slot mapping [N] each,
@@ -74,7 +73,7 @@ class ModelRunner:
             positions.append(len(seq) - 1)
             slots += blocks.slots(seq.request_id, len(seq) - 1, len(seq))
             query_start_loc.append(query_start_loc[-1] + 1)
-        seqs = scheduled.prefills + scheduled.decodes
+        seqs = scheduled.seqs
         seq_lens = [len(seq) for seq in seqs]
         tables = [blocks.block_tables[seq.request_id] for seq in seqs]
         width = max((len(t) for t in tables), default=1)

@@ -34,6 +34,11 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
+    def seqs(self) -> list[Sequence]:
+        """Every scheduled sequence, prefills first: the row order of the step's batch and its logits."""
+        return self.prefills + self.decodes
+
+    @property
     def num_batched_tokens(self) -> int:
         return sum(len(seq) for seq in self.prefills) + len(self.decodes)
 
