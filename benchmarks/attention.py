@@ -22,8 +22,10 @@ d. **KV memory model**: from the config, the dtype, the block size and a KV-cach
    the sequences of a given length that fit at once (blocks // blocks per sequence) and the memory the
    engine takes (weights + blocks x bytes per block). On CUDA, checked: a ``step5_flash_gpu.LLMEngine`` with
    ``kv_cache_memory`` = the budget runs that many sequences of that length (``max_num_seqs`` = that many,
-   16 generated tokens each; the most running at once, the preemptions), then one more (which must not all
-   fit), and ``torch.cuda.max_memory_allocated`` is set beside the prediction. On a CPU: the prediction only.
+   192 generated tokens each, so that all are admitted before the first ends; the most running at once, the
+   preemptions), then one more (at full length they do not fit: one is preempted, unless the first ones end
+   before the last ones need their last block), and ``torch.cuda.max_memory_allocated`` is set beside the
+   prediction. On a CPU: the prediction only.
 
 Every output is compared with ``paged_attention_reference`` (kernels.py: textbook attention in fp32, one
 sequence at a time): ``max_abs_diff`` per implementation; write_kv's pools must come out equal.
@@ -63,6 +65,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from common.weights import load_config  # noqa: E402
 from step4_paged_continuous.kv_cache import PagedKVCache  # noqa: E402
+from step4_paged_continuous.model import decode_attention_mask  # noqa: E402
 from step5_flash_gpu.kernels import (  # noqa: E402
     choose_num_splits,
     paged_attention,
@@ -89,7 +92,7 @@ FULL = {
     "write_pool_blocks": 16384,
     "kv_budgets": [2**30, 4 * 2**30],  # KV-cache bytes
     "kv_lengths": [256, 1024],  # tokens per sequence (prompt + generated)
-    "kv_generated": 16,
+    "kv_generated": 192,  # long enough that every sequence is admitted (1024 prompt tokens a step) before any ends
     "cpu_repeats": 3,
 }
 # --quick, on the CPU through the interpreter (one program at a time: slow): lengths off block boundaries
@@ -104,7 +107,8 @@ IMPLEMENTATIONS = {
     "triton_paged": "step5_flash_gpu.kernels.paged_attention on q [B T, H, D] and a K/V pool of shuffled 16-token "
     "blocks (tile sizes: the kernel's table)",
     "step4_gather_sdpa": "step4_paged_continuous PagedKVCache.gather (a copy of every sequence's blocks) + the SDPA "
-    "call of step 4's model.paged_attention decode branch (boolean mask of the positions past each length)",
+    "call of step 4's model.paged_attention decode branch (additive mask of the positions past each length, made "
+    "once per step)",
     "triton_auto": "paged_attention, num_splits=None: choose_num_splits decides (plain or flash-decoding)",
     "triton_plain": "paged_attention, num_splits=1: one program per (sequence, head)",
     "triton_split4": "paged_attention, num_splits=4: flash-decoding, 4 programs per (sequence, head) + the merge",
@@ -335,14 +339,15 @@ def bench_decode(config, dtype, device: str, runs: int, sizes: dict, gen, bandwi
             query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
             bt32, lens32 = block_tables.to(torch.int32), seq_lens.to(torch.int32)
 
-            def step4_gather_sdpa():  # step4_paged_continuous/model.py, paged_attention's decode branch
+            mask = decode_attention_mask(seq_lens, block_tables.shape[1] * BLOCK_SIZE, dtype)  # once per step
+
+            def step4_gather_sdpa():  # step4_paged_continuous/model.py, paged_attention's decode branch (one layer)
                 k_all, v_all = cache.gather(0, block_tables)  # [S_d, M * block_size, H, D]
-                mask = torch.arange(k_all.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # [S_d, M * bs]
                 return F.scaled_dot_product_attention(
                     q[:, :, None, :],  # [S_d, H, 1, D]
                     k_all.transpose(1, 2),  # [S_d, H, M * block_size, D]
                     v_all.transpose(1, 2),
-                    attn_mask=mask[:, None, None, :],  # [S_d, 1, 1, M * block_size]
+                    attn_mask=mask,  # [S_d, 1, 1, M * block_size]
                 )[:, :, 0]  # [S_d, H, D]
 
             def triton_with(num_splits):

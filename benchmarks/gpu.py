@@ -31,11 +31,13 @@ and the KV cache of every running request, so B tokens cost at least (weight byt
 mean context) / the copy bandwidth measured at the start (``harness.copy_bandwidth``); the JSON gives
 each engine's throughput as a share of that floor (compute, prefill and launch overheads are not in it).
 
-Then a profile: cProfile over 64 ``step()`` calls of step 4's engine at B = 256 (short workload, fp16,
-counted from the requests' submission: the prefills, then decodes), the 25 functions with the most own
-time and the 25 with the most cumulative time, to set beside a later engine's (where the Python goes).
+Then profiles: cProfile over 64 ``step()`` calls of step 4's and of step 5's engine at B = 256 (short
+workload, fp16, counted from the requests' submission: the prefills, then decodes), the 25 functions with
+the most own time and the 25 with the most cumulative time of each (where the Python goes). Last, the dtype
+study (``DTYPE_STUDY``, ``run_dtype_study``): greedy agreement of step 5 in fp16 and bf16 with fp32 on the
+trained demo checkpoint.
 
-    python -m benchmarks gpu --device cuda    # on one H200: about 8 minutes
+    python -m benchmarks gpu --device cuda --runs 2   # on one H200: about 8.5 minutes
     python -m benchmarks gpu --quick          # on the CPU, tiny sizes, fp32, B = 1 and 4: checks that it works
 """
 
@@ -74,12 +76,18 @@ STEP_PACKAGES = {"step2": "step2_kvcache", "step3": "step3_static_batch", "step4
 STEP2_MAX_BATCH = 1  # step 2 serves one request at a time: it runs at B = 1 only
 BLOCK_SIZE = 16
 TOKEN_ID_SEED = 3000
-PROFILE = {"engine": "step4", "dtype": "float16", "batch_size": 256, "workload": "short", "steps": 64, "top": 25}
+PROFILE = {"engines": ("step4", "step5"), "dtype": "float16", "batch_size": 256, "workload": "short", "steps": 64,
+           "top": 25}
+# The dtype study (issue 11, 5c): greedy agreement of a low-precision engine with its fp32 self, on the trained demo
+# checkpoint (random weights have near-ties everywhere); speed per dtype is in the matrix's points.
+DTYPE_STUDY = {"engine": "step5", "model": "demo", "reference": "float32", "dtypes": ("float16", "bfloat16"),
+               "prompts": 16, "prompt_tokens": 32, "max_tokens": 128, "top": 5}
 QUICK = {
     "batch_sizes": [1, 4],
     "workloads": {"short": {"prompt_tokens": 8, "max_tokens": 8}, "long": {"prompt_tokens": 32, "max_tokens": 16}},
     "matrix": {"float32": {"short": ENGINE_NAMES, "long": ENGINE_NAMES}},
     "profile": {**PROFILE, "dtype": "float32", "batch_size": 4, "steps": 8},
+    "dtype_study": {**DTYPE_STUDY, "dtypes": ("bfloat16",), "prompts": 2, "prompt_tokens": 8, "max_tokens": 8},
 }
 CONFIG_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "head_dim")
 ENGINES = {
@@ -97,7 +105,8 @@ def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAU
     """The CLI entry (``python -m benchmarks gpu --device cuda``): the full or quick workloads on each model."""
     if quick:
         return run(models or DEFAULT_MODELS, device, runs=1, batch_sizes=QUICK["batch_sizes"],
-                   lengths=QUICK["workloads"], matrix=QUICK["matrix"], profile=QUICK["profile"], quick=True)
+                   lengths=QUICK["workloads"], matrix=QUICK["matrix"], profile=QUICK["profile"],
+                   dtype_study=QUICK["dtype_study"], quick=True)
     return run(models or DEFAULT_MODELS, device, runs=runs)
 
 
@@ -109,6 +118,7 @@ def run(
     lengths: dict[str, dict] = WORKLOADS,
     matrix: dict[str, dict[str, tuple[str, ...]]] = MATRIX,
     profile: dict | None = PROFILE,
+    dtype_study: dict | None = DTYPE_STUDY,
     quick: bool = False,
     out_dir: Path = harness.RESULTS,
 ) -> dict:
@@ -117,9 +127,10 @@ def run(
     models: benchmark model names or snapshot folders. runs: measured runs per point, after a warm-up.
     batch_sizes: the B of each point (step 2 runs at B = 1 only). lengths: workload name -> {"prompt_tokens",
     "max_tokens"} of every request. matrix: dtype -> workload name -> the engines that run it (step5 only
-    where its package exists). profile: the cProfile run ({"engine", "dtype", "batch_size", "workload", "steps", "top"};
-    None: no profile); it runs where its dtype and batch size come up. Returns the result dict that was
-    written (see benchmarks/README.md for its layout).
+    where its package exists). profile: the cProfile runs ({"engines", "dtype", "batch_size", "workload", "steps",
+    "top"}; None: no profile); they run where their dtype and batch size come up. dtype_study: see
+    ``dtype_study`` (None: none). Returns the result dict that was written (see benchmarks/README.md for its
+    layout).
     """
     started = time.perf_counter()
     result = {
@@ -143,6 +154,7 @@ def run(
             "quick": quick,
             "engines": ENGINES,
             "profile": profile,
+            "dtype_study": dtype_study,
             "memory_floor": "a decode step of B requests reads every weight once and each request's KV cache at the "
             "mean context (prompt + max_tokens / 2): B / ((weight bytes + B x KV bytes) / copy bandwidth) tok/s",
             "timing": "time.perf_counter around the whole generate call, torch.cuda.synchronize before and after; "
@@ -157,6 +169,9 @@ def run(
                            result["machine"]["copy_bandwidth_bytes_per_s"])
 
     harness.run_models(result, models, run)
+    if dtype_study:
+        print(f"== dtype study: {dtype_study['engine']} on {dtype_study['model']}", flush=True)
+        result["dtype_study"] = run_dtype_study(dtype_study, device)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
@@ -185,7 +200,7 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], lengt
     longest = max(w["prompt_tokens"] + w["max_tokens"] for w in lengths.values())
     blocks_per_seq = -(-longest // BLOCK_SIZE)
     out = {"snapshot": str(folder), "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
-           "parameters": parameters, "skipped": skipped, "points": []}
+           "parameters": parameters, "skipped": skipped, "points": [], "profiles": {}}
 
     for dtype, by_workload in matrix.items():
         engines = {e for wanted in by_workload.values() for e in wanted if e == "hf" or e in modules}
@@ -215,13 +230,15 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], lengt
                     m["share_of_memory_floor"] = m["throughput_tok_s"] / floor["throughput_tok_s"]
                 out["points"].append({"workload": wname, "dtype": dtype, "batch_size": b, **point,
                                       "memory_floor": floor})
-            if profile and (dtype, b) == (profile["dtype"], profile["batch_size"]) and profile["engine"] in llms:
+            for e in profile["engines"] if profile and (dtype, b) == (profile["dtype"], profile["batch_size"]) else ():
+                if e not in llms:
+                    continue
                 w = lengths[profile["workload"]]
                 equal = workloads.equal(b, w["prompt_tokens"], w["max_tokens"], TOKEN_ID_SEED)
-                print(f"  profile: {profile['engine']}, {profile['steps']} steps", flush=True)
-                out["profile"] = profile_engine(llms[profile["engine"]].engine, modules[profile["engine"]],
-                                                workloads.requests(equal, config.vocab_size), profile["steps"],
-                                                profile["top"], device)
+                print(f"  profile: {e}, {profile['steps']} steps", flush=True)
+                reqs = workloads.requests(equal, config.vocab_size)
+                out["profiles"][e] = profile_engine(llms[e].engine, modules[e], reqs, profile["steps"], profile["top"],
+                                                    device)
             del llms
             free(device)
         del hf, step2
@@ -306,6 +323,63 @@ def profile_engine(engine, module, reqs: list[workloads.Request], steps: int, to
     }
 
 
+DTYPE_STUDY_PROMPTS = ["The Python interpreter", "A list comprehension is a concise way to", "Exceptions are raised",
+                      "def fibonacci(n):", "The standard library", "In Python, a dictionary", "Generators are",
+                      "import os", "Classes bundle data and", "The with statement", "A decorator is a function that",
+                      "Strings are immutable", "The global interpreter lock", "for i in range(10):",
+                      "Type hints", "Virtual environments"]
+
+
+def run_dtype_study(spec: dict, device: str) -> dict:
+    """Greedy agreement per dtype: ``spec["engine"]`` on ``spec["model"]`` (a trained checkpoint) generates
+    ``max_tokens`` greedy tokens (ignore_eos) after each of ``prompts`` prompts (``DTYPE_STUDY_PROMPTS``, cut or
+    padded with the demo tokenizer's ids to ``prompt_tokens``), in the reference dtype and in each of
+    ``dtypes``. Per dtype: how many outputs are identical to the reference's, the first position where each
+    other one differs, and whether GUIDE.md's tier holds there: each side's token is among the other side's
+    ``top`` most likely, by step 0's model (fp32, and cast to the dtype) on the reference's prefix."""
+    module = importlib.import_module(STEP_PACKAGES[spec["engine"]])
+    step0 = importlib.import_module("step0_model")
+    folder = snapshot(spec["model"])
+    params = module.SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True)
+    reference = module.LLM(model=str(folder), device=device, dtype=spec["reference"])
+    tok = reference.get_tokenizer()
+    prompts = []
+    for i in range(spec["prompts"]):
+        ids = tok.encode(DTYPE_STUDY_PROMPTS[i % len(DTYPE_STUDY_PROMPTS)])
+        filler = tok.encode(" " + DTYPE_STUDY_PROMPTS[(i + 1) % len(DTYPE_STUDY_PROMPTS)]) * spec["prompt_tokens"]
+        prompts.append((ids + filler)[: spec["prompt_tokens"]])
+    ref_ids = [o.outputs[0].token_ids for o in reference.generate(prompt_token_ids=prompts, sampling_params=params)]
+    del reference
+    oracle = step0.GPT.from_pretrained(str(folder), device=device)  # fp32
+    out = {"prompt_token_ids_source": "DTYPE_STUDY_PROMPTS, each followed by the next one repeated, cut to "
+           "prompt_tokens", "dtypes": {}}
+    for dtype in spec["dtypes"]:
+        llm = module.LLM(model=str(folder), device=device, dtype=dtype)
+        low_ids = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        del llm
+        low_oracle = step0.GPT.from_pretrained(str(folder), device=device, dtype=getattr(torch, dtype))
+        firsts, holds = [], 0
+        for prompt, a, b in zip(prompts, ref_ids, low_ids):
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if i is None:
+                continue
+            firsts.append(i)
+            ids = torch.tensor([prompt + a[:i]], device=device)
+            with torch.inference_mode():
+                ref_top = oracle(ids)[0, -1].topk(spec["top"]).indices.tolist()
+                low_top = low_oracle(ids)[0, -1].topk(spec["top"]).indices.tolist()
+            holds += b[i] in ref_top and a[i] in low_top
+        firsts.sort()
+        out["dtypes"][dtype] = {"prompts": len(prompts), "identical": len(prompts) - len(firsts),
+                                "diverged": len(firsts), "first_divergence": firsts,
+                                "first_divergence_min": firsts[0] if firsts else None,
+                                "first_divergence_median": firsts[len(firsts) // 2] if firsts else None,
+                                "tier_holds": holds}
+        del low_oracle
+        free(device)
+    return out
+
+
 def top_functions(profiler: cProfile.Profile, key: str, n: int) -> list[dict]:
     """The ``n`` functions with the largest ``key`` ("tottime": own time, "cumtime": with callees), as
     {"function" (file:line(name), the file relative to the repository or to site-packages), "calls",
@@ -359,14 +433,23 @@ def report(result: dict) -> str:
             if ratios:
                 lines.append(f"throughput at B = {sizes[-1]}, medians of per-run ratios: "
                              + ", ".join(f"{label} {r['median']:.2f}x" for label, r in ratios.items()))
-        prof = model.get("profile")
-        if prof:
+        for engine, prof in model.get("profiles", {}).items():
             p = w["profile"]
-            lines.append(f"\nprofile: {p['engine']}, {p['dtype']}, B = {prof['requests']}, {prof['steps']} steps of "
+            lines.append(f"\nprofile: {engine}, {p['dtype']}, B = {prof['requests']}, {prof['steps']} steps of "
                          f"{p['workload']} ({prof['wall_s_profiled']:.2f} s under cProfile), top 10 by own time")
             lines.append(harness.table(["function", "calls", "tottime s", "cumtime s"],
                                        [[r["function"][-70:], r["calls"], r["tottime_s"], r["cumtime_s"]]
                                         for r in prof["top_tottime"][:10]]))
+    study = result.get("dtype_study")
+    if study:
+        s = w["dtype_study"]
+        lines.append(f"\ndtype study: {s['engine']} on {s['model']}, {s['prompts']} prompts x {s['max_tokens']} greedy "
+                     f"tokens against {s['reference']}")
+        lines.append(harness.table(
+            ["dtype", "identical", "first divergence (median, min)", f"top-{s['top']} tier holds"],
+            [[d, f"{r['identical']}/{r['prompts']}", f"{r['first_divergence_median']}, {r['first_divergence_min']}"
+              if r["diverged"] else "-",
+              f"{r['tier_holds']}/{r['diverged']}"] for d, r in study["dtypes"].items()]))
     return "\n".join(lines)
 
 

@@ -398,7 +398,8 @@ def report(result: dict) -> str:
     time outside the engine, and whether the texts matched; then the target."""
     m, w = result["machine"], result["workload"]
     load = f"load average {m['load_average_start'][0]:.2f} at the start, {m['load_average_end'][0]:.2f} at the end"
-    lines = [f"server on {m['device']} ({m['cpu']}, {m['torch_threads']} torch threads), torch {m['torch']}, "
+    where = f"{m['gpu']}, " if m.get("gpu") else ""
+    lines = [f"server on {m['device']} ({where}{m['cpu']}, {m['torch_threads']} torch threads), torch {m['torch']}, "
              f"{w['runs']} run(s), medians; {load}"]
     headers = ["load", "engine", "tok/s", "steps", "TTFT p50 ms", "p95", "p99", "ITL p50 ms", "p95", "p99",
                "outside engine", "same text"]
@@ -459,7 +460,7 @@ def plot(result: dict, path: Path) -> Path:
             ax.set(xlabel="Poisson arrival rate (requests / s)", ylabel="ms", ylim=(0, None), title=f"{name}: {label}")
             ax.legend(fontsize=8)
     m = result["machine"]
-    fig.suptitle(f"HTTP server vs in-process engine, {m['device']} ({m['cpu']}), median of "
+    fig.suptitle(f"HTTP server vs in-process engine, {m['device']} ({m.get('gpu') or m['cpu']}), median of "
                  f"{result['workload']['runs']} run(s), load average {m['load_average_start'][0]:.1f} -> "
                  f"{m['load_average_end'][0]:.1f}")
     fig.tight_layout()

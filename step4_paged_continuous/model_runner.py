@@ -21,7 +21,7 @@ from common.tokenizer import Tokenizer
 
 from .block_manager import BlockManager
 from .kv_cache import PagedKVCache
-from .model import GPT, AttentionMetadata
+from .model import GPT, AttentionMetadata, decode_attention_mask
 from .sampling import Logprob, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -81,8 +81,8 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             logits_indices=ends - 1,  # each sequence's last new token
             num_prefills=len(scheduled.prefills),
-            decode_seq_lens=decode_seq_lens,
             decode_block_tables=decode_block_tables.view(S_d, width),
+            decode_mask=decode_attention_mask(decode_seq_lens, width * self.kv_cache.block_size, self.kv_cache.dtype),
         )
         return input_ids, positions_t, meta
 

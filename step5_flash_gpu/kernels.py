@@ -51,7 +51,16 @@ def _check_usable(device: torch.device) -> None:
 # The kernels
 
 
-@triton.jit
+# Triton compiles a kernel again for each new "kind" of argument: an int equal to 1, a multiple of 16 or
+# neither, a pointer 16-byte aligned or not. The batch's sequence count and the block table's row stride
+# (its width) change from step to step, and the engine's small int tensors are slices of one packed copy,
+# whose alignment changes with the batch: each new kind would stall a step for a compilation (about a
+# second) while a server runs. None of these is specialised (a name a kernel lacks is ignored).
+NOT_SPECIALISED = dict(do_not_specialize=["num_seqs", "stride_bts"],
+                       do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
+
+
+@triton.jit(**NOT_SPECIALISED)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_seqs, qk_scale,
@@ -138,7 +147,7 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(**NOT_SPECIALISED)
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_max_ptr, part_sum_ptr, part_acc_ptr,
@@ -202,7 +211,7 @@ def _paged_decode_split_kernel(
     tl.store(part_acc_ptr + s.to(tl.int64) * stride_as + h * stride_ah + j * stride_aj + d * stride_ad, acc, mask=d_ok)
 
 
-@triton.jit
+@triton.jit(**NOT_SPECIALISED)
 def _combine_splits_kernel(
     out_ptr, query_start_loc_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     stride_on, stride_oh, stride_od,
@@ -290,13 +299,16 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(num_seqs: int, num_heads: int, max_query_len: int, max_kv_len: int, device: torch.device) -> int:
     """How many programs share one decode's keys: 1 (the plain kernel) unless S x H programs leave SMs idle.
 
-    Only all-decode batches split. Aims at about two programs per SM, each taking at least 256 keys, at most 16 splits.
+    Only all-decode batches split. Aims at about two programs per SM, each taking at least 256 keys, at most 16
+    splits, rounded down to a power of two: each count is a kernel of its own (a compile-time constant), so a
+    growing context compiles at most 4 of them (2, 4, 8, 16), not one per 256 tokens.
     """
     programs = num_seqs * num_heads
     sms = _num_sms(device)
     if max_query_len != 1 or programs >= sms:
         return 1
-    return max(1, min(16, triton.cdiv(2 * sms, programs), max_kv_len // 256))
+    splits = min(16, triton.cdiv(2 * sms, programs), max_kv_len // 256)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # the largest power of two <= splits
 
 
 def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -404,6 +416,26 @@ def _paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, query_start
         num_warps=1,
     )
     return out
+
+
+def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Compile now every kernel variant an engine of this shape can launch: the main kernel in each tile
+    configuration of ``_attention_config`` and flash-decoding with each split count ``choose_num_splits`` can
+    return (2, 4, 8, 16), on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
+
+    Triton compiles a variant on its first launch (about a second each on an H200; later processes read
+    Triton's on-disk cache): without this, the first request that needs one waits for the compiler.
+    """
+    device = torch.device(device)
+    blocks = -(-128 // block_size)  # one sequence with room for the longest warm-up query, 128 tokens
+    k_cache = torch.zeros(blocks, block_size, num_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    block_tables = torch.arange(blocks, device=device)[None, :]  # [1, blocks] int64
+    for query_len, num_splits in [(1, 1), (64, 1), (128, 1)] + [(1, n) for n in (2, 4, 8, 16)]:  # every config
+        q = torch.zeros(query_len, num_heads, head_dim, device=device, dtype=dtype)
+        seq_lens = torch.tensor([query_len], device=device)
+        query_start_loc = torch.tensor([0, query_len], device=device)
+        paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, query_len, num_splits=num_splits)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

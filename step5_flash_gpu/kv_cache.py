@@ -32,6 +32,7 @@ class PagedKVCache:
         self, config: GPT2Config, num_blocks: int, block_size: int, device: torch.device | str, dtype: torch.dtype
     ):
         check_free_memory(num_blocks * self.block_bytes(config, block_size, dtype), torch.device(device), num_blocks)
+        self.block_size, self.dtype = block_size, dtype
         shape = (num_blocks, block_size, config.n_head, config.head_dim)  # [num_blocks, block_size, H, D]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,33 @@ def test_gpu_half_precision_in_top5_tier(demo_snapshot, dtype):
         with torch.inference_mode():
             assert b_ids[i] in model(ids)[0, -1].topk(5).indices.tolist()
             assert a_ids[i] in low_model(ids)[0, -1].topk(5).indices.tolist()
+
+
+NO_COMPILE_WHILE_SERVING = """
+import sys, torch, triton
+from step5_flash_gpu import LLMEngine, SamplingParams
+engine = LLMEngine(model=sys.argv[1], device="cuda", dtype="float16", max_num_seqs=8)  # warms the kernels up
+compiled = []
+triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+g = torch.Generator().manual_seed(0)
+for i, n in enumerate([1, 5, 17, 40, 64, 65, 100, 300]):  # every tile configuration, batches of every size
+    prompt = torch.randint(0, 8000, (n,), generator=g).tolist()
+    engine.add_request(str(i), prompt, SamplingParams(max_tokens=8 + 25 * i, temperature=0, ignore_eos=True))
+    engine.step()
+while engine.has_unfinished_requests():
+    engine.step()
+print(len(compiled), compiled[:3])
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_compiles_nothing_while_serving(demo_snapshot):
+    """In a fresh process (Triton compiles on first use per process): after LLMEngine's warm-up, requests of
+    every prompt length band and batches that grow and shrink launch only kernels compiled already."""
+    if not hasattr(getattr(__import__("triton"), "knobs", None), "runtime"):
+        pytest.skip("this Triton version has no compile hook to count compilations with")
+    run = subprocess.run([sys.executable, "-c", NO_COMPILE_WHILE_SERVING, str(demo_snapshot)], capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[0] == "0", run.stdout

@@ -149,6 +149,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(
             self.model, self.tokenizer, self.device, self.kv_cache, self.block_manager, self.attention_backend
         )
+        if self.attention_backend == "triton" and self.device.type == "cuda":  # compile now, not during a request
+            kernels.warm_up(self.config.n_head, self.config.head_dim, block_size, self.dtype, self.device)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, returned by the next step
 

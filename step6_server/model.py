@@ -112,6 +112,8 @@ class AttentionMetadata:
     seq_lens: [S] int64, each sequence's length after this step (cached tokens + its new ones).
     block_tables: [S, M] int64, each sequence's block ids, short rows padded with block 0.
     max_query_len: the most new tokens of one sequence in this batch. attention_backend: "triton" or "torch".
+    decode_mask: "torch" only (else None): [S_d, 1, 1, M * block_size], the model's dtype: 0 for each decode's
+    keys, -inf past its length (see ``decode_attention_mask``), made once per step for every layer.
     """
 
     slot_mapping: torch.Tensor
@@ -123,6 +125,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     attention_backend: str
+    decode_mask: torch.Tensor | None
+
+
+def decode_attention_mask(seq_lens: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask of S_d decodes whose keys were gathered into rows of ``num_keys``:
+    [S_d, 1, 1, num_keys] in ``dtype``, 0 where the key position < the sequence's length (``seq_lens``
+    [S_d], its new token included), -inf past it. Additive rather than boolean, so that attention does not
+    convert it again in every layer."""
+    keep = torch.arange(num_keys, device=seq_lens.device)[None, :] < seq_lens[:, None]  # [S_d, num_keys]
+    mask = torch.full(keep.shape, float("-inf"), dtype=dtype, device=seq_lens.device).masked_fill_(keep, 0.0)
+    return mask[:, None, None, :]
 
 
 def paged_attention(
@@ -136,23 +149,22 @@ def paged_attention(
     together, one query each, over keys and values read back from the cache through their block tables,
     with the keys past each sequence's length masked out.
     """
-    y = torch.empty_like(q)  # [N, H, D]
+    ys = []  # each sequence's output rows, in batch order
     P = meta.num_prefills
     for i in range(P):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         qi, ki, vi = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, T, D]
-        y[a:b] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1)  # [T, H, D]
+        ys.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1))  # [T, H, D]
     if P < len(meta.query_start_loc) - 1:
         a = meta.query_start_loc[P]
         k_all, v_all = kv_cache.gather(layer, meta.block_tables[P:])  # [S_d, M * block_size, H, D]
-        mask = torch.arange(k_all.shape[1], device=q.device)[None, :] < meta.seq_lens[P:, None]  # [S_d, M * bs]
-        y[a:] = F.scaled_dot_product_attention(
+        ys.append(F.scaled_dot_product_attention(
             q[a:, :, None, :],  # [S_d, H, 1, D]
             k_all.transpose(1, 2),  # [S_d, H, M * block_size, D]
             v_all.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],  # [S_d, 1, 1, M * block_size]
-        )[:, :, 0]  # [S_d, H, D]
-    return y
+            attn_mask=meta.decode_mask,  # [S_d, 1, 1, M * block_size]
+        )[:, :, 0])  # [S_d, H, D]
+    return torch.cat(ys)  # [N, H, D]
 
 
 class GPT(nn.Module):

@@ -21,7 +21,7 @@ from common.tokenizer import Tokenizer
 
 from .block_manager import BlockManager
 from .kv_cache import PagedKVCache
-from .model import GPT, AttentionMetadata
+from .model import GPT, AttentionMetadata, decode_attention_mask
 from .sampling import Logprob, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -78,7 +78,7 @@ class ModelRunner:
         tables = [blocks.block_tables[seq.request_id] for seq in seqs]
         width = max((len(t) for t in tables), default=1)
         padded_tables = [x for t in tables for x in t + [0] * (width - len(t))]  # short rows padded with block 0
-        N, S = len(token_ids), len(seqs)
+        N, S, P = len(token_ids), len(seqs), len(scheduled.prefills)
         # one host-to-device copy for the whole step
         packed = self.to_device(token_ids + positions + slots + query_start_loc + seq_lens + padded_tables)
         input_ids, positions_t, slot_mapping, starts, seq_lens_t, block_tables = packed.split(
@@ -89,11 +89,13 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             query_start_loc_t=starts,
             logits_indices=starts[1:] - 1,  # each sequence's last new token
-            num_prefills=len(scheduled.prefills),
+            num_prefills=P,
             seq_lens=seq_lens_t,
             block_tables=block_tables.view(S, width),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             attention_backend=self.attention_backend,
+            decode_mask=decode_attention_mask(seq_lens_t[P:], width * self.kv_cache.block_size, self.kv_cache.dtype)
+            if self.attention_backend == "torch" else None,
         )
         return input_ids, positions_t, meta
 

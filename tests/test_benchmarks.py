@@ -276,7 +276,7 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     profile = {**gpu.PROFILE, "dtype": "float32", "batch_size": 2, "steps": 3, "top": 5}
     result = gpu.run([tiny_model], device="cpu", runs=2, batch_sizes=[1, 2], lengths=lengths,
                      matrix={"float32": {"short": gpu.ENGINE_NAMES, "long": ("step3", "step4")}}, profile=profile,
-                     out_dir=tmp_path)
+                     dtype_study=gpu.QUICK["dtype_study"], out_dir=tmp_path)
 
     written = json.loads((tmp_path / "gpu-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
@@ -309,15 +309,24 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
         floor = point["memory_floor"]
         assert floor["weight_bytes"] == 4 * model["parameters"] and floor["throughput_tok_s"] > 0
 
-    # the profile: the top functions of step 4's engine, by own and by cumulative time
-    prof = model["profile"]
-    assert prof["requests"] == 2 and prof["steps"] == 3 and len(prof["top_tottime"]) == 5
-    own = [r["tottime_s"] for r in prof["top_tottime"]]
-    assert own == sorted(own, reverse=True)
-    assert any("step4_paged_continuous/engine.py" in r["function"] for r in prof["top_cumtime"])
+    # the profiles: the top functions of step 4's and step 5's engines, by own and by cumulative time
+    assert set(model["profiles"]) == {"step4"} | ({"step5"} if step5 else set())
+    for engine, prof in model["profiles"].items():
+        assert prof["requests"] == 2 and prof["steps"] == 3 and len(prof["top_tottime"]) == 5
+        own = [r["tottime_s"] for r in prof["top_tottime"]]
+        assert own == sorted(own, reverse=True)
+        package = gpu.STEP_PACKAGES[engine]
+        assert any(f"{package}/engine.py" in r["function"] for r in prof["top_cumtime"])
+
+    # the dtype study: every prompt identical to the fp32 run or diverged at a position it generated
+    study = written["dtype_study"]["dtypes"]["bfloat16"]
+    spec = gpu.QUICK["dtype_study"]
+    assert study["prompts"] == spec["prompts"] == study["identical"] + study["diverged"]
+    assert len(study["first_divergence"]) == study["diverged"] >= study["tier_holds"] >= 0
+    assert all(0 <= i < spec["max_tokens"] for i in study["first_divergence"])
 
     report = gpu.report(written)
-    assert "memory floor" in report and "profile" in report
+    assert "memory floor" in report and "profile: step4" in report and "dtype study" in report
 
     # --replot: the PNG again from the JSON, nothing measured
     (tmp_path / "gpu-cpu.png").unlink()
