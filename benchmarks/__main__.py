@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 
 from . import harness
@@ -45,9 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replot", action="store_true",
                         help="measure nothing: draw the PNG again from the recorded JSON (of --quick with --quick) "
                         "and print its table")
+    parser.add_argument("--dtype", action="append", dest="dtypes", metavar="DTYPE",
+                        choices=["float16", "bfloat16", "float32"],
+                        help="gpu only: run only this dtype's points (repeatable) and merge them into the recorded "
+                        "JSON, replacing that dtype's earlier points")
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.dtypes and args.replot:
+        parser.error("--dtype measures: it does not go with --replot")
+    if args.dtypes and "dtypes" not in inspect.signature(importlib.import_module(BENCHMARKS[args.name][0]).main).parameters:
+        parser.error(f"--dtype: the {args.name} benchmark runs one dtype; only gpu takes --dtype")
     return args
 
 
@@ -59,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.replot:
             harness.replot(module.NAME, args.device, module.plot, module.report, quick=args.quick)
             return 0
-        module.main(models=args.models, device=args.device, runs=runs, quick=args.quick)
+        extra = {"dtypes": args.dtypes} if args.dtypes else {}
+        module.main(models=args.models, device=args.device, runs=runs, quick=args.quick, **extra)
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

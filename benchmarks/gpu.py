@@ -4,10 +4,10 @@ End to end through each engine's ``LLM.generate`` (token ids in, token ids out, 
 included), on GPT-2 124M's shape with random weights (``gpt2-124m-random``), greedy, ``ignore_eos`` (every
 request generates exactly its max_tokens), B requests of one length submitted at once, prompts of random
 token ids from fixed seeds, for B = 1, 8, 64, 256 and two workloads, ``short`` (a 32-token prompt, 128
-generated) and ``long`` (512 + 256). ``MATRIX`` says what runs in which dtype: fp16, the serving dtype,
-both workloads, every engine; fp32, the CPU benchmarks' dtype, ``short`` only; bf16, ``short`` on step 4
-and step 5 only. (fp32 on ``long`` and bf16 on ``long`` would add about 2 and 2.5 minutes to a run that
-takes about 8 on an H200: 10 minutes is the most one command may take there.) Engines:
+generated) and ``long`` (512 + 256), in fp16 (the serving dtype), fp32 and bf16 (``MATRIX``: every engine,
+both workloads, each dtype). A whole run takes about 18 minutes on an H200; ``--dtype`` (``main``'s
+``dtypes``) runs one dtype's points and merges them into the recorded JSON (``merge_into``), so that a
+machine that allows 10-minute commands runs the matrix in three. Engines:
 
 - ``hf``: transformers ``GPT2LMHeadModel.generate`` on the B requests as one batch (left padding, an
   attention mask, ``use_cache=True``, ``max_new_tokens = min_new_tokens``, ``torch.inference_mode``);
@@ -48,6 +48,7 @@ import dataclasses
 import gc
 import importlib
 import importlib.util
+import json
 import pstats
 import time
 from pathlib import Path
@@ -65,12 +66,9 @@ DEFAULT_RUNS = 3
 BATCH_SIZES = [1, 8, 64, 256]
 WORKLOADS = {"short": {"prompt_tokens": 32, "max_tokens": 128}, "long": {"prompt_tokens": 512, "max_tokens": 256}}
 ENGINE_NAMES = ("hf", "step2", "step3", "step4", "step5")
-# dtype -> workload -> the engines that run it (step5 where its package exists)
-MATRIX = {
-    "float16": {"short": ENGINE_NAMES, "long": ENGINE_NAMES},
-    "float32": {"short": ENGINE_NAMES},
-    "bfloat16": {"short": ("step4", "step5")},
-}
+# dtype -> workload -> the engines that run it (step5 where its package exists). A whole run takes about 18
+# minutes on an H200; `--dtype` runs one dtype's part (6 to 7 minutes) and merges it into the recorded JSON.
+MATRIX = {dtype: {"short": ENGINE_NAMES, "long": ENGINE_NAMES} for dtype in ("float16", "float32", "bfloat16")}
 STEP_PACKAGES = {"step2": "step2_kvcache", "step3": "step3_static_batch", "step4": "step4_paged_continuous",
                  "step5": "step5_flash_gpu"}
 STEP2_MAX_BATCH = 1  # step 2 serves one request at a time: it runs at B = 1 only
@@ -101,13 +99,29 @@ ENGINES = {
 }
 
 
-def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False) -> dict:
-    """The CLI entry (``python -m benchmarks gpu --device cuda``): the full or quick workloads on each model."""
+def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False,
+         dtypes: list[str] | None = None) -> dict:
+    """The CLI entry (``python -m benchmarks gpu --device cuda``): the full or quick workloads on each model.
+
+    dtypes (``--dtype``, repeatable): run only these dtypes' points and merge them into the recorded JSON,
+    where they replace that dtype's earlier points (see ``run``'s merge); the profiles and the dtype study
+    run with float16. Raises ValueError for a dtype the matrix lacks.
+    """
+    matrix, profile, study = (QUICK["matrix"], QUICK["profile"], QUICK["dtype_study"]) if quick else \
+        (MATRIX, PROFILE, DTYPE_STUDY)
+    if dtypes:
+        unknown = sorted(set(dtypes) - set(matrix))
+        if unknown:
+            raise ValueError(f"--dtype {', '.join(unknown)}: this run's dtypes are {', '.join(matrix)}")
+        matrix = {d: w for d, w in matrix.items() if d in dtypes}
+        profile = profile if profile["dtype"] in matrix else None
+        study = study if "float16" in dtypes else None
     if quick:
         return run(models or DEFAULT_MODELS, device, runs=1, batch_sizes=QUICK["batch_sizes"],
-                   lengths=QUICK["workloads"], matrix=QUICK["matrix"], profile=QUICK["profile"],
-                   dtype_study=QUICK["dtype_study"], quick=True)
-    return run(models or DEFAULT_MODELS, device, runs=runs)
+                   lengths=QUICK["workloads"], matrix=matrix, profile=profile, dtype_study=study, quick=True,
+                   merge=bool(dtypes))
+    return run(models or DEFAULT_MODELS, device, runs=runs, matrix=matrix, profile=profile, dtype_study=study,
+               merge=bool(dtypes))
 
 
 def run(
@@ -121,6 +135,7 @@ def run(
     dtype_study: dict | None = DTYPE_STUDY,
     quick: bool = False,
     out_dir: Path = harness.RESULTS,
+    merge: bool = False,
 ) -> dict:
     """Every workload, dtype and batch size on each model; write ``<out_dir>/gpu-<device>.json`` and ``.png``.
 
@@ -129,8 +144,8 @@ def run(
     "max_tokens"} of every request. matrix: dtype -> workload name -> the engines that run it (step5 only
     where its package exists). profile: the cProfile runs ({"engines", "dtype", "batch_size", "workload", "steps",
     "top"}; None: no profile); they run where their dtype and batch size come up. dtype_study: see
-    ``dtype_study`` (None: none). Returns the result dict that was written (see benchmarks/README.md for its
-    layout).
+    ``dtype_study`` (None: none). merge: keep what the recorded JSON holds beyond this run (see ``merge_into``)
+    instead of replacing it. Returns the result dict that was written (see benchmarks/README.md for its layout).
     """
     started = time.perf_counter()
     result = {
@@ -172,7 +187,38 @@ def run(
     if dtype_study:
         print(f"== dtype study: {dtype_study['engine']} on {dtype_study['model']}", flush=True)
         result["dtype_study"] = run_dtype_study(dtype_study, device)
+    recorded = harness.result_path(NAME, device, "json", out_dir / "quick" if quick else out_dir)
+    if merge and recorded.is_file():
+        result = merge_into(json.loads(recorded.read_text()), result)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
+
+
+def merge_into(old: dict, new: dict) -> dict:
+    """``new`` (a run of some dtypes) with what ``old`` (the recorded result) has beyond it: the points of the
+    dtypes ``new`` did not run, its profiles and dtype study where ``new`` has none, its models that ``new``
+    did not run. Where points came from another run, ``earlier_runs`` lists that run's dtypes and machine
+    (its own earlier runs carried along)."""
+    ran = set(new["workload"]["matrix"])
+    kept = {d for model in old["models"].values() for p in model["points"] for d in [p["dtype"]] if d not in ran}
+    out = {**new, "models": {**old["models"], **new["models"]}}
+    out["workload"] = {**new["workload"], "matrix": {**{d: w for d, w in old["workload"]["matrix"].items()
+                                                        if d in kept}, **new["workload"]["matrix"]}}
+    for name, model in new["models"].items():
+        before = old["models"].get(name, {})
+        out["models"][name] = {**model,
+                               "points": [p for p in before.get("points", []) if p["dtype"] in kept] + model["points"],
+                               "profiles": model["profiles"] or before.get("profiles", {})}
+    if "dtype_study" not in new and "dtype_study" in old:
+        out["dtype_study"] = old["dtype_study"]
+        out["workload"]["dtype_study"] = old["workload"].get("dtype_study")
+    if not any(model["profiles"] for model in new["models"].values()):
+        out["workload"]["profile"] = old["workload"].get("profile")
+    earlier = [{**r, "dtypes": [d for d in r["dtypes"] if d in kept]} for r in old.get("earlier_runs", [])]
+    from_old = sorted(kept - {d for r in earlier for d in r["dtypes"]})  # the old run's own points still kept
+    earlier.append({"dtypes": from_old, "machine": old["machine"], "runs": old["workload"]["runs"],
+                    "elapsed_s": old.get("elapsed_s")})
+    out["earlier_runs"] = [r for r in earlier if r["dtypes"]]
+    return out
 
 
 def step_modules() -> tuple[dict[str, object], dict[str, str]]:
@@ -408,6 +454,10 @@ def report(result: dict) -> str:
     lines.append(f"gpu on {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
                  f"transformers {machine['transformers']}, copy bandwidth "
                  f"{machine['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {w['runs']} run(s), medians")
+    for r in result.get("earlier_runs", []):
+        m = r["machine"]
+        lines.append(f"  {', '.join(r['dtypes'])}: from an earlier run ({m['date']}, {m.get('gpu') or m['cpu']}, "
+                     f"torch {m['torch']}, {r['runs']} run(s))")
     for name, model in result["models"].items():
         lines.append(f"\n## {name}: {model['parameters'] / 1e6:.1f}M parameters")
         for engine, why in model["skipped"].items():

@@ -432,3 +432,41 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
 
     report = server.report(written)
     assert "not measured at full size" in report and "MISSED" not in report and "load average" in report
+
+
+def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_path):
+    """`--dtype` runs one dtype's points and merges them into the recorded JSON: the other dtypes' points,
+    profiles and study stay, the dtype's own earlier points are replaced, and earlier_runs says where the
+    kept points came from."""
+    lengths = {"short": {"prompt_tokens": 4, "max_tokens": 3}}
+    common = dict(device="cpu", runs=1, batch_sizes=[2], lengths=lengths, dtype_study=None, out_dir=tmp_path)
+    profile = {**gpu.PROFILE, "dtype": "float32", "batch_size": 2, "steps": 2, "top": 3}
+    first = gpu.run([tiny_model], matrix={"float32": {"short": ("step3", "step4")}}, profile=profile, **common)
+    second = gpu.run([tiny_model], matrix={"bfloat16": {"short": ("step4",)}}, profile=None, merge=True, **common)
+    model = second["models"][tiny_model]
+    assert [(p["dtype"], set(p["median"])) for p in model["points"]] == [("float32", {"step3", "step4"}),
+                                                                         ("bfloat16", {"step4"})]
+    assert model["points"][0] == first["models"][tiny_model]["points"][0]  # kept as it was
+    assert model["profiles"] == first["models"][tiny_model]["profiles"] != {}
+    assert second["workload"]["matrix"] == {"float32": {"short": ["step3", "step4"]}, "bfloat16": {"short": ["step4"]}}
+    assert [r["dtypes"] for r in second["earlier_runs"]] == [["float32"]]
+    assert second["earlier_runs"][0]["machine"] == first["machine"]
+    assert json.loads((tmp_path / "gpu-cpu.json").read_text()) == json.loads(json.dumps(second))
+    assert "float32: from an earlier run" in gpu.report(second)
+
+    # float32 again: its points replaced, nothing left from the first run
+    third = gpu.run([tiny_model], matrix={"float32": {"short": ("step4",)}}, profile=None, merge=True, **common)
+    points = third["models"][tiny_model]["points"]
+    assert [(p["dtype"], set(p["median"])) for p in points] == [("bfloat16", {"step4"}), ("float32", {"step4"})]
+    assert [r["dtypes"] for r in third["earlier_runs"]] == [["bfloat16"]]
+    assert third["earlier_runs"][0]["machine"] == second["machine"]
+
+
+def test_dtype_option_is_for_the_gpu_benchmark_only():
+    from benchmarks.__main__ import parse_args
+
+    assert parse_args(["gpu", "--dtype", "float32", "--dtype", "bfloat16"]).dtypes == ["float32", "bfloat16"]
+    for argv in (["kvcache", "--dtype", "float16"], ["gpu", "--dtype", "float64"], ["gpu", "--dtype", "float32", "--replot"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2
