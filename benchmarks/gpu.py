@@ -112,7 +112,8 @@ def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAU
     if dtypes:
         unknown = sorted(set(dtypes) - set(matrix))
         if unknown:
-            raise ValueError(f"--dtype {', '.join(unknown)}: this run's dtypes are {', '.join(matrix)}")
+            runs = "--quick runs" if quick else "the matrix has"
+            raise ValueError(f"--dtype {', '.join(unknown)}: {runs} {', '.join(matrix)} only")
         matrix = {d: w for d, w in matrix.items() if d in dtypes}
         profile = profile if profile["dtype"] in matrix else None
         study = study if "float16" in dtypes else None
@@ -499,7 +500,7 @@ def report(result: dict) -> str:
             ["dtype", "identical", "first divergence (median, min)", f"top-{s['top']} tier holds"],
             [[d, f"{r['identical']}/{r['prompts']}", f"{r['first_divergence_median']}, {r['first_divergence_min']}"
               if r["diverged"] else "-",
-              f"{r['tier_holds']}/{r['diverged']}"] for d, r in study["dtypes"].items()]))
+              f"{r['tier_holds']}/{r['diverged']}" if r["diverged"] else "-"] for d, r in study["dtypes"].items()]))
     return "\n".join(lines)
 
 

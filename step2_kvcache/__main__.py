@@ -25,12 +25,19 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default where it has one (not None, not an empty list)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default == [] else super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(
         prog=f"python -m {__package__}",
         description=__doc__.split("\n\n")[0] + " The summary gives prompt and generated tokens, the time to "
         "first token (TTFT) and the decode speed.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("prompt", help="the text to continue")
     parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder")

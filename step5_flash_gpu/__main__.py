@@ -29,12 +29,19 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default where it has one (not None, not an empty list)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default == [] else super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(
         prog=f"python -m {__package__}",
         description=__doc__.split("\n\n")[0] + " The summary gives prompt and generated tokens, the time to "
         "first token (TTFT) and the decode speed.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("prompts", nargs="*", help="the texts to continue")
     parser.add_argument("--prompts-file", help="a UTF-8 text file with one prompt per line")
@@ -44,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pool.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks in the pool (default: room for --max-num-seqs full context windows)")
     pool.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache pool size in bytes, instead of --num-kv-blocks")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
-                        help="attention kernels: triton (GPU), torch (step 4's), auto = triton on CUDA, else torch")
+                        help="attention kernels: triton (this step's, for the GPU; on a CPU they run through Triton's "
+                        "interpreter, ~100x slower: for tests), torch (step 4's), auto = triton on CUDA, else torch")
     parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="divides the logits; 0 = greedy")

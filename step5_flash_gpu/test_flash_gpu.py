@@ -42,6 +42,15 @@ def test_backend_choice():
         choose_attention_backend("flash", torch.device("cpu"))
 
 
+@needs_triton
+def test_triton_refuses_bfloat16_on_the_cpu(demo_snapshot):
+    """Triton's interpreter computes bf16 dot products wrongly (garbage text, no error): refused up front."""
+    assert choose_attention_backend("triton", torch.device("cpu"), torch.float16) == "triton"
+    with pytest.raises(ValueError, match="bfloat16.*interpreter"):
+        LLMEngine(model=str(demo_snapshot), attention_backend="triton", dtype="bfloat16")
+    assert LLMEngine(model=str(demo_snapshot), dtype="bfloat16").attention_backend == "torch"  # auto: fine
+
+
 def test_torch_backend_is_step4(demo_snapshot):
     params = dict(max_tokens=12, temperature=0, ignore_eos=True)
     llm = LLM(model=str(demo_snapshot), attention_backend="torch")

@@ -383,3 +383,10 @@ def test_warm_up_runs_every_variant(device):
     finally:
         kernels.paged_attention = real
     assert seen == 2 * [(1, 1), (64, 1), (128, 1), (1, 2), (1, 4), (1, 8), (1, 16)]
+
+
+def test_bfloat16_refused_on_the_cpu():
+    """Through Triton's interpreter a bf16 tl.dot multiplies bit patterns (garbage, ~1e8 off): refused."""
+    batch = make_batch([(3, 3), (1, 9)], 2, 16, 8, torch.bfloat16, "cpu", seed=1)
+    with pytest.raises(ValueError, match="bfloat16"):
+        paged_attention(**batch)

@@ -49,11 +49,12 @@ def check_device(device: str) -> torch.device:
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
-def choose_attention_backend(name: str, device: torch.device) -> str:
+def choose_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """The attention backend for ``device``: "triton" or "torch" ("auto": Triton on CUDA if it is installed).
 
     Raises ValueError for an unknown name, or "triton" where the kernels cannot run (no Triton, or a CPU
-    without Triton's interpreter switched on: TRITON_INTERPRET=1, for tests)."""
+    without Triton's interpreter switched on: TRITON_INTERPRET=1, for tests), or would be wrong (bfloat16
+    through the interpreter: see ``kernels.paged_attention``)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r}: must be one of {list(ATTENTION_BACKENDS)}")
     if name == "auto":
@@ -63,6 +64,8 @@ def choose_attention_backend(name: str, device: torch.device) -> str:
             f"attention_backend='triton': the Triton kernels cannot run on {device} here "
             "(they need Triton and a CUDA device, or TRITON_INTERPRET=1 on the CPU)"
         )
+    if name == "triton" and device.type == "cpu" and dtype == torch.bfloat16:
+        raise ValueError(f"attention_backend='triton', dtype='bfloat16': {kernels.CPU_BF16_UNSUPPORTED}")
     return name
 
 
@@ -115,10 +118,10 @@ class LLMEngine:
         if num_kv_blocks is not None and kv_cache_memory is not None:
             raise ValueError("num_kv_blocks, kv_cache_memory: give one of them, not both")
         self.device = check_device(device)
-        self.attention_backend = choose_attention_backend(attention_backend, self.device)
+        self.dtype = DTYPES[dtype]
+        self.attention_backend = choose_attention_backend(attention_backend, self.device, self.dtype)
         folder = resolve_model(model)
         self.tokenizer = Tokenizer(folder)
-        self.dtype = DTYPES[dtype]
         self.model = GPT.from_pretrained(str(folder), device=self.device, dtype=self.dtype)
         self.config = self.model.config
         window = self.config.n_positions

@@ -41,6 +41,12 @@ def triton_usable(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or isinstance(tl.zeros, InterpretedFunction)
 
 
+# Triton's interpreter (CPU) holds bfloat16 as 16-bit integers and multiplies their bit patterns in tl.dot:
+# the results are garbage, with no error (triton-lang/triton#11584, "not supported yet").
+CPU_BF16_UNSUPPORTED = ("Triton's interpreter (the kernels on a CPU) computes bfloat16 dot products wrongly "
+                        "(triton-lang/triton#11584); on a CPU use float32 or float16, or the torch backend")
+
+
 def _check_usable(device: torch.device) -> None:
     if not triton_usable(device):
         raise RuntimeError(f"the Triton kernels run on CUDA tensors, or on {device} tensors through Triton's "
@@ -358,12 +364,15 @@ def paged_attention(
     num_splits: None chooses (``choose_num_splits``); 1 forces the plain kernel; k > 1 forces flash-decoding
     with k splits (every query_len must then be 1). block_m, block_n, num_warps, num_stages override the
     tile table (block_m >= 16 and block_n >= 16, powers of two, on a GPU).
-    Returns out [N, H, D] in q's dtype. Raises ValueError on inconsistent shapes, dtypes or devices,
+    Returns out [N, H, D] in q's dtype. Raises ValueError on inconsistent shapes, dtypes or devices, or
+    bfloat16 on a CPU (``CPU_BF16_UNSUPPORTED``),
     RuntimeError on CPU tensors without the interpreter.
     Sources: Dao et al. 2022 / Dao 2023 (FlashAttention, -2), Kwon et al. 2023 (PagedAttention), flash-decoding.
     """
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check_usable(q.device)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise ValueError(CPU_BF16_UNSUPPORTED)
     N, H, D = q.shape
     S = seq_lens.shape[0]
     block_size = k_cache.shape[1]

@@ -9,6 +9,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from benchmarks import attention, continuous, gpu, harness, kvcache, server, static_batch, workloads
 from benchmarks.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
@@ -462,11 +463,15 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
     assert third["earlier_runs"][0]["machine"] == second["machine"]
 
 
-def test_dtype_option_is_for_the_gpu_benchmark_only():
+def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
     from benchmarks.__main__ import parse_args
 
     assert parse_args(["gpu", "--dtype", "float32", "--dtype", "bfloat16"]).dtypes == ["float32", "bfloat16"]
-    for argv in (["kvcache", "--dtype", "float16"], ["gpu", "--dtype", "float64"], ["gpu", "--dtype", "float32", "--replot"]):
+    bad = [["kvcache", "--dtype", "float16"], ["gpu", "--dtype", "float64"], ["gpu", "--dtype", "float32", "--replot"],
+           ["gpu", "--device", "tpu"], ["gpu", "--device", "meta"]]
+    if not torch.cuda.is_available():
+        bad.append(["gpu", "--device", "cuda"])  # a clear error before anything runs, not a traceback
+    for argv in bad:
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
