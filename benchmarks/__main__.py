@@ -53,17 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
-    if not args.replot:  # the device must exist before anything is measured (torch only now: --help stays fast)
-        import torch
+    if not args.replot:  # the device must exist before anything is measured (imported now: --help stays fast)
+        from step1_generate.engine import check_device  # every engine checks its device so
 
         try:
-            device = torch.device(args.device)
-        except (RuntimeError, TypeError):
-            parser.error(f"--device {args.device!r}: not a device name (cpu, cuda, cuda:N)")
-        if device.type not in ("cpu", "cuda"):
-            parser.error(f"--device {args.device!r}: the benchmarks run on cpu or cuda")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            parser.error(f"--device {args.device!r}: CUDA is not available on this machine")
+            check_device(args.device)
+        except ValueError as e:
+            parser.error(f"--{e}")
     if args.dtypes and args.replot:
         parser.error("--dtype measures: it does not go with --replot")
     if args.dtypes and "dtypes" not in inspect.signature(importlib.import_module(BENCHMARKS[args.name][0]).main).parameters:

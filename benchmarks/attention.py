@@ -732,7 +732,4 @@ def plot(result: dict, path: Path) -> Path:
                  f"{', Triton interpreter' if m['triton_interpreter'] else ''}), {result['workload']['dtype']}, "
                  f"median of {result['workload']['runs']} round(s)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path, dpi=90)

@@ -411,10 +411,7 @@ def plot(result: dict, path: Path) -> Path:
     fig.suptitle(f"Continuous batching benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} "
                  f"threads), {machine['dtype']}, median of {result['workload']['runs']} run(s)\n{headline}")
     fig.tight_layout(rect=(0, 0.03 / len(models), 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path)
 
 
 def schedule(ax, run: dict, color: str, static: bool) -> None:

@@ -200,7 +200,7 @@ def merge_into(old: dict, new: dict) -> dict:
     did not run. Where points came from another run, ``earlier_runs`` lists that run's dtypes and machine
     (its own earlier runs carried along)."""
     ran = set(new["workload"]["matrix"])
-    kept = {d for model in old["models"].values() for p in model["points"] for d in [p["dtype"]] if d not in ran}
+    kept = {p["dtype"] for model in old["models"].values() for p in model["points"]} - ran
     out = {**new, "models": {**old["models"], **new["models"]}}
     out["workload"] = {**new["workload"], "matrix": {**{d: w for d, w in old["workload"]["matrix"].items()
                                                         if d in kept}, **new["workload"]["matrix"]}}
@@ -557,7 +557,4 @@ def plot(result: dict, path: Path) -> Path:
     fig.suptitle(f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
                  f"median of {result['workload']['runs']} run(s)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path)

@@ -168,6 +168,16 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
+def save_figure(fig, path: Path, dpi: int = 100) -> Path:
+    """Write a matplotlib figure to ``path`` (making the folder if needed) and free it. Returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def result_path(name: str, device: str, suffix: str, out_dir: Path = RESULTS) -> Path:
     """``<out_dir>/<name>-<device type>.<suffix>``, e.g. ``results/kvcache-cpu.json`` (cuda:1 -> cuda)."""
     return Path(out_dir) / f"{name}-{torch.device(device).type}.{suffix}"

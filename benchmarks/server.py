@@ -464,7 +464,4 @@ def plot(result: dict, path: Path) -> Path:
                  f"{result['workload']['runs']} run(s), load average {m['load_average_start'][0]:.1f} -> "
                  f"{m['load_average_end'][0]:.1f}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path)

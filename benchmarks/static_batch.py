@@ -285,7 +285,4 @@ def plot(result: dict, path: Path) -> Path:
     fig.suptitle(f"Static batching benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads), "
                  f"{machine['dtype']}, median of {result['workload']['runs']} run(s)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path, dpi=110)

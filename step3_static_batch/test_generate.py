@@ -17,7 +17,6 @@ from transformers import GPT2LMHeadModel
 from step0_model import GPT as Step0GPT
 
 from . import model_runner
-from .engine import LLMEngine
 from .llm import LLM
 from .sampling import Logprob, RequestOutputKind, SamplingParams, sample
 from .sequence import CompletionOutput, RequestOutput

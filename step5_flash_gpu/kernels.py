@@ -287,8 +287,14 @@ def _write_kv_kernel(
 # The Python entry points
 
 
+# A query run of each row of the tile table below: warm_up compiles each once.
+TILE_TABLE_QUERY_LENS = (1, 64, 128)
+MAX_SPLITS = 16  # flash-decoding's most splits per sequence: powers of two up to this, see choose_num_splits
+
+
 def _attention_config(max_query_len: int, head_dim: int) -> dict:
-    """Tile sizes for the main kernel, by the longest query run in the batch (a fixed table, no autotuning)."""
+    """Tile sizes for the main kernel, by the longest query run in the batch (a fixed table, no autotuning; a
+    new row needs its query length in ``TILE_TABLE_QUERY_LENS``)."""
     if max_query_len <= 16:  # decodes, short chunks: 16 rows, the smallest tl.dot M
         return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
     if max_query_len <= 64:
@@ -313,7 +319,7 @@ def choose_num_splits(num_seqs: int, num_heads: int, max_query_len: int, max_kv_
     sms = _num_sms(device)
     if max_query_len != 1 or programs >= sms:
         return 1
-    splits = min(16, triton.cdiv(2 * sms, programs), max_kv_len // 256)
+    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), max_kv_len // 256)
     return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # the largest power of two <= splits
 
 
@@ -406,7 +412,7 @@ def paged_attention(
 def _paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, qk_scale,
                         num_splits, d_pad, block_n, num_warps, num_stages):
     """Flash-decoding: partial softmaxes over num_splits key slices per (sequence, head), then their merge."""
-    S, (N, H, D) = seq_lens.shape[0], q.shape
+    S, (_, H, D) = seq_lens.shape[0], q.shape
     part_max = torch.empty((S, H, num_splits), device=q.device, dtype=torch.float32)  # [S, H, splits]
     part_sum = torch.empty((S, H, num_splits), device=q.device, dtype=torch.float32)  # [S, H, splits]
     part_acc = torch.empty((S, H, num_splits, D), device=q.device, dtype=torch.float32)  # [S, H, splits, D]
@@ -429,18 +435,19 @@ def _paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
     """Compile now every kernel variant an engine of this shape can launch: the main kernel in each tile
-    configuration of ``_attention_config`` and flash-decoding with each split count ``choose_num_splits`` can
-    return (2, 4, 8, 16), on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
+    configuration of ``_attention_config`` (``TILE_TABLE_QUERY_LENS``) and flash-decoding with each split count
+    ``choose_num_splits`` can return (powers of two up to ``MAX_SPLITS``), on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
 
     Triton compiles a variant on its first launch (about a second each on an H200; later processes read
     Triton's on-disk cache): without this, the first request that needs one waits for the compiler.
     """
     device = torch.device(device)
-    blocks = -(-128 // block_size)  # one sequence with room for the longest warm-up query, 128 tokens
+    blocks = -(-max(TILE_TABLE_QUERY_LENS) // block_size)  # one sequence with room for the longest warm-up query
     k_cache = torch.zeros(blocks, block_size, num_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     block_tables = torch.arange(blocks, device=device)[None, :]  # [1, blocks] int64
-    for query_len, num_splits in [(1, 1), (64, 1), (128, 1)] + [(1, n) for n in (2, 4, 8, 16)]:  # every config
+    split_counts = [2**i for i in range(1, MAX_SPLITS.bit_length())]  # 2, 4, 8, 16
+    for query_len, num_splits in [(n, 1) for n in TILE_TABLE_QUERY_LENS] + [(1, n) for n in split_counts]:
         q = torch.zeros(query_len, num_heads, head_dim, device=device, dtype=dtype)
         seq_lens = torch.tensor([query_len], device=device)
         query_start_loc = torch.tensor([0, query_len], device=device)
