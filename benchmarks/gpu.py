@@ -37,7 +37,7 @@ the most own time and the 25 with the most cumulative time of each (where the Py
 study (``DTYPE_STUDY``, ``run_dtype_study``): greedy agreement of step 5 in fp16 and bf16 with fp32 on the
 trained demo checkpoint.
 
-    python -m benchmarks gpu --device cuda --runs 2   # on one H200: about 8.4 minutes
+    python -m benchmarks gpu --device cuda --runs 2   # one H200: ~18 minutes (--dtype float16 alone: ~8)
     python -m benchmarks gpu --quick          # on the CPU, tiny sizes, fp32, B = 1 and 4: checks that it works
 """
 

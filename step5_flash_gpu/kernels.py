@@ -90,8 +90,8 @@ def _paged_attention_kernel(
     Query row i sits at position context_len + i (context_len = L - query_len) and sees keys n <= position.
     Online softmax (FlashAttention-2): scores and running max / sum in fp32, base 2 (qk_scale includes
     log2 e), fp32 accumulator rescaled by exp2(m_old - m_new), divided by the sum once at the end. Q @ K^T
-    and P @ V run on tensor cores in q's dtype (fp32 inputs: IEEE, no tf32). D is padded to a power of two,
-    the padding masked to 0. A decode is a tile with one valid row (BLOCK_M >= 16 keeps tl.dot legal).
+    and P @ V run on tensor cores in q's dtype (fp32 inputs: three tf32 products, tf32x3, as accurate as fp32;
+    IEEE in the interpreter). D is padded to a power of two, the padding masked to 0. A decode is a tile with one valid row (BLOCK_M >= 16 keeps tl.dot legal).
     """
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles first: a long prompt's heaviest tiles start early
     h = tl.program_id(1)
@@ -290,6 +290,8 @@ def _write_kv_kernel(
 # A query run of each row of the tile table below: warm_up compiles each once.
 TILE_TABLE_QUERY_LENS = (1, 64, 128)
 MAX_SPLITS = 16  # flash-decoding's most splits per sequence: powers of two up to this, see choose_num_splits
+SPLIT_MIN_KV_LEN = 2048  # tokens of context from which a decode batch that leaves SMs idle splits
+SPLIT_MIN_KEYS = 256  # the fewest keys one split takes
 
 
 def _attention_config(max_query_len: int, head_dim: int) -> dict:
@@ -309,18 +311,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_heads: int, max_query_len: int, max_kv_len: int, device: torch.device) -> int:
-    """How many programs share one decode's keys: 1 (the plain kernel) unless S x H programs leave SMs idle.
+    """How many programs share one decode's keys: 1 (the plain kernel) unless S x H programs leave SMs idle
+    and the contexts are long (``max_kv_len`` >= ``SPLIT_MIN_KV_LEN`` tokens).
 
-    Only all-decode batches split. Aims at about two programs per SM, each taking at least 256 keys, at most 16
-    splits, rounded down to a power of two: each count is a kernel of its own (a compile-time constant), so a
-    growing context compiles at most 4 of them (2, 4, 8, 16), not one per 256 tokens.
+    Only all-decode batches split, into ``max_kv_len // SPLIT_MIN_KEYS`` splits, at most ``MAX_SPLITS``, rounded
+    down to a power of two: each count is a kernel of its own (a compile-time constant), so a growing context
+    compiles 2 of them (8, 16), not one per 256 tokens. Tuned on an H200 (benchmarks/results/attention-cuda.json):
+    below ~2,048 tokens the split path's second launch costs more than it saves (1 x 512: 56 us with 2 splits,
+    18 us plain), and where it pays, more splits pay more (8 x 4,096: 55 us with 16 splits, 119 us with 2, 113 us
+    plain). GPT-2's 1,024-token window never splits.
     """
-    programs = num_seqs * num_heads
-    sms = _num_sms(device)
-    if max_query_len != 1 or programs >= sms:
+    if max_query_len != 1 or num_seqs * num_heads >= _num_sms(device) or max_kv_len < SPLIT_MIN_KV_LEN:
         return 1
-    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), max_kv_len // 256)
-    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # the largest power of two <= splits
+    splits = min(MAX_SPLITS, max_kv_len // SPLIT_MIN_KEYS)
+    return 1 << (splits.bit_length() - 1)  # the largest power of two <= splits
 
 
 def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -387,7 +391,9 @@ def paged_attention(
         return out
     qk_scale = (D**-0.5 if scale is None else scale) * LOG2E
     d_pad = max(16, triton.next_power_of_2(D))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 must not round to tf32; halves ignore it
+    # fp32 must not round to tf32: on a GPU three tf32 products (tf32x3) keep fp32 accuracy on tensor cores, where
+    # "ieee" (no tensor cores) ran 40x slower in the engine; the interpreter computes "ieee". Halves ignore it.
+    precision = "tf32" if q.dtype != torch.float32 else "tf32x3" if q.device.type == "cuda" else "ieee"
     if num_splits is None:
         num_splits = choose_num_splits(S, H, max_query_len, block_tables.shape[1] * block_size, q.device)
     if num_splits > 1:
@@ -436,7 +442,8 @@ def _paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, query_start
 def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
     """Compile now every kernel variant an engine of this shape can launch: the main kernel in each tile
     configuration of ``_attention_config`` (``TILE_TABLE_QUERY_LENS``) and flash-decoding with each split count
-    ``choose_num_splits`` can return (powers of two up to ``MAX_SPLITS``), on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
+    ``choose_num_splits`` can return (powers of two from ``SPLIT_MIN_KV_LEN // SPLIT_MIN_KEYS`` to ``MAX_SPLITS``),
+    on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
 
     Triton compiles a variant on its first launch (about a second each on an H200; later processes read
     Triton's on-disk cache): without this, the first request that needs one waits for the compiler.
@@ -446,7 +453,7 @@ def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, 
     k_cache = torch.zeros(blocks, block_size, num_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     block_tables = torch.arange(blocks, device=device)[None, :]  # [1, blocks] int64
-    split_counts = [2**i for i in range(1, MAX_SPLITS.bit_length())]  # 2, 4, 8, 16
+    split_counts = [2**i for i in range(MAX_SPLITS.bit_length()) if SPLIT_MIN_KV_LEN // SPLIT_MIN_KEYS <= 2**i]  # 8, 16
     for query_len, num_splits in [(n, 1) for n in TILE_TABLE_QUERY_LENS] + [(1, n) for n in split_counts]:
         q = torch.zeros(query_len, num_heads, head_dim, device=device, dtype=dtype)
         seq_lens = torch.tensor([query_len], device=device)
