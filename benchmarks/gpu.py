@@ -554,7 +554,9 @@ def plot(result: dict, path: Path) -> Path:
         ax.grid(which="major", alpha=0.3)
         ax.legend(fontsize=8)
     machine = result["machine"]
+    runs = "" if not result.get("earlier_runs") else ("; each dtype's panels from one run: "
+                                                       "compare engines within a panel, not across dtypes")
     fig.suptitle(f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
-                 f"median of {result['workload']['runs']} run(s)")
+                 f"median of {result['workload']['runs']} run(s){runs}")
     fig.tight_layout()
     return harness.save_figure(fig, path)
