@@ -48,7 +48,6 @@ at T >= 2048, its memory O(T) (the exponent of peak memory in T, from the smalle
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import os
 import statistics
@@ -183,6 +182,7 @@ def bench_model(name: str, device: str, runs: int, sizes: dict, bandwidth: float
     out["prefill"] = bench_prefill(config, dtype, device, runs, sizes, gen)
     out["decode"] = bench_decode(config, dtype, device, runs, sizes, gen, bandwidth)
     out["write_kv"] = bench_write_kv(config, dtype, device, runs, sizes, gen)
+    harness.free(device)  # its two pools went with its frame
     out["memory"] = memory_model(folder, config, sizes, device, measure_memory)
     return out
 
@@ -216,12 +216,6 @@ def peak_bytes(fn: Callable[[], object], device: str) -> tuple[int | None, objec
     return torch.cuda.max_memory_allocated(device) - before, out
 
 
-def free(device: str) -> None:
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measure(impls: dict[str, Callable[[], object]], device: str, runs: int, repeats: int,
             check: Callable[[str, object], float] | None = None) -> dict:
     """One point: each implementation once untimed (its peak memory, and ``check(name, its output)``, the
@@ -236,7 +230,7 @@ def measure(impls: dict[str, Callable[[], object]], device: str, runs: int, repe
         except torch.OutOfMemoryError:
             errors[name] = "out of memory"
         output = None
-        free(device)
+        harness.free(device)
     live = {name: (lambda fn=fn: {"ms": time_ms(fn, device, repeats)}) for name, fn in impls.items()
             if name not in errors}
     raw = harness.alternate(live, runs, warmup=0)
@@ -271,110 +265,116 @@ def paged_batch(config, num_seqs: int, seq_len: int, dtype, device: str, gen: to
 
 
 def bench_prefill(config, dtype, device: str, runs: int, sizes: dict, gen) -> list[dict]:
-    H, D = config.n_head, config.head_dim
     points = []
     for T in sizes["prefill_lens"]:
         for B in (1, sizes["prefill_batch"]):
-            cache, block_tables = paged_batch(config, B, T, dtype, device, gen)
-            k_cache, v_cache = cache.k[0], cache.v[0]
-            q = torch.randn(B * T, H, D, generator=gen, device=device, dtype=dtype)  # [B T, H, D]
-            seq_lens = torch.full((B,), T, dtype=torch.int32, device=device)
-            query_start_loc = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device)
-            bt32 = block_tables.to(torch.int32)
-            qc = q.view(B, T, H, D).transpose(1, 2).contiguous()  # [B, H, T, D], the same values, contiguous
-            kc, vc = (c[block_tables].flatten(1, 2)[:, :T].transpose(1, 2).contiguous() for c in (k_cache, v_cache))
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # made once, like nanoGPT's buffer
-
-            def materialised():
-                att = (qc @ kc.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # [B, H, T, T]
-                att = att.masked_fill(~causal, float("-inf"))
-                att = F.softmax(att, dim=-1)
-                return att @ vc  # [B, H, T, D]
-
-            def sdpa():
-                return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)  # [B, H, T, D]
-
-            def triton_paged():
-                return paged_attention(q, k_cache, v_cache, bt32, seq_lens, query_start_loc, T)  # [B T, H, D]
-
-            impls = {"materialised": materialised, "sdpa": sdpa, "triton_paged": triton_paged}
-            ref = paged_attention_reference(q, k_cache, v_cache, bt32, seq_lens, query_start_loc, T)  # [B T, H, D]
-
-            def check(name: str, y: torch.Tensor) -> float:  # [B T, H, D] from Triton, [B, H, T, D] otherwise
-                return max_abs_diff(y if name == "triton_paged" else y.transpose(1, 2).flatten(0, 1), ref)
-
-            point = measure(impls, device, runs, sizes["cpu_repeats"], check)
-            del ref
-            diffs = point["max_abs_diff"]
-            flops = 4 * B * H * D * T * (T + 1) / 2
-            for m in point["median"].values():
-                if "ms" in m:
-                    m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
-            ran = point["runs"]
-            point["ratios"] = {label: harness.ratio(ran[a], ran[b], "ms") for label, (a, b) in
-                               {"materialised/triton": ("materialised", "triton_paged"),
-                                "triton/sdpa": ("triton_paged", "sdpa")}.items() if a in ran and b in ran}
-            points.append({"T": T, "num_seqs": B, "tokens": B * T, "flops": flops, **point})
-            print(f"  prefill T = {T:5d} x {B}: " + "  ".join(
-                f"{n} {m['ms']:.3f} ms" + (f" {m['peak_bytes'] / 2**20:.1f} MiB" if m["peak_bytes"] is not None else "")
-                for n, m in point["median"].items() if "ms" in m)
-                + "".join(f"  {n}: {e}" for n, e in point["errors"].items())
-                + f"  |triton - ref| {diffs.get('triton_paged', math.nan):.1e}", flush=True)
-            del cache, k_cache, v_cache, q, qc, kc, vc, causal, impls
-            free(device)
+            points.append(prefill_point(config, dtype, device, runs, sizes, gen, T, B))
+            harness.free(device)  # the point's tensors went with its frame
     return points
+
+
+def prefill_point(config, dtype, device: str, runs: int, sizes: dict, gen, T: int, B: int) -> dict:
+    """B causal prompts of T tokens: materialised attention, SDPA and the Triton kernel."""
+    H, D = config.n_head, config.head_dim
+    cache, block_tables = paged_batch(config, B, T, dtype, device, gen)
+    k_cache, v_cache = cache.k[0], cache.v[0]
+    q = torch.randn(B * T, H, D, generator=gen, device=device, dtype=dtype)  # [B T, H, D]
+    seq_lens = torch.full((B,), T, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device)
+    bt32 = block_tables.to(torch.int32)
+    qc = q.view(B, T, H, D).transpose(1, 2).contiguous()  # [B, H, T, D], the same values, contiguous
+    kc, vc = (c[block_tables].flatten(1, 2)[:, :T].transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # made once, like nanoGPT's buffer
+
+    def materialised():
+        att = (qc @ kc.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # [B, H, T, T]
+        att = att.masked_fill(~causal, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        return att @ vc  # [B, H, T, D]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)  # [B, H, T, D]
+
+    def triton_paged():
+        return paged_attention(q, k_cache, v_cache, bt32, seq_lens, query_start_loc, T)  # [B T, H, D]
+
+    impls = {"materialised": materialised, "sdpa": sdpa, "triton_paged": triton_paged}
+    ref = paged_attention_reference(q, k_cache, v_cache, bt32, seq_lens, query_start_loc, T)  # [B T, H, D]
+
+    def check(name: str, y: torch.Tensor) -> float:  # [B T, H, D] from Triton, [B, H, T, D] otherwise
+        return max_abs_diff(y if name == "triton_paged" else y.transpose(1, 2).flatten(0, 1), ref)
+
+    point = measure(impls, device, runs, sizes["cpu_repeats"], check)
+    diffs = point["max_abs_diff"]
+    flops = 4 * B * H * D * T * (T + 1) / 2
+    for m in point["median"].values():
+        if "ms" in m:
+            m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
+    ran = point["runs"]
+    point["ratios"] = {label: harness.ratio(ran[a], ran[b], "ms") for label, (a, b) in
+                       {"materialised/triton": ("materialised", "triton_paged"),
+                        "triton/sdpa": ("triton_paged", "sdpa")}.items() if a in ran and b in ran}
+    print(f"  prefill T = {T:5d} x {B}: " + "  ".join(
+        f"{n} {m['ms']:.3f} ms" + (f" {m['peak_bytes'] / 2**20:.1f} MiB" if m["peak_bytes"] is not None else "")
+        for n, m in point["median"].items() if "ms" in m)
+        + "".join(f"  {n}: {e}" for n, e in point["errors"].items())
+        + f"  |triton - ref| {diffs.get('triton_paged', math.nan):.1e}", flush=True)
+    return {"T": T, "num_seqs": B, "tokens": B * T, "flops": flops, **point}
 
 
 # ---- b. decode ----------------------------------------------------------------------------------------------
 
 
 def bench_decode(config, dtype, device: str, runs: int, sizes: dict, gen, bandwidth: float) -> list[dict]:
-    H, D = config.n_head, config.head_dim
     points = []
     for S in sizes["decode_seqs"]:
         for ctx in sizes["decode_ctx"]:
-            cache, block_tables = paged_batch(config, S, ctx, dtype, device, gen)
-            q = torch.randn(S, H, D, generator=gen, device=device, dtype=dtype)  # [S, H, D]
-            seq_lens = torch.full((S,), ctx, dtype=torch.int64, device=device)  # the new token included
-            query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
-            bt32, lens32 = block_tables.to(torch.int32), seq_lens.to(torch.int32)
-
-            mask = decode_attention_mask(seq_lens, block_tables.shape[1] * BLOCK_SIZE, dtype)  # once per step
-
-            def step4_gather_sdpa():  # step4_paged_continuous/model.py, paged_attention's decode branch (one layer)
-                k_all, v_all = cache.gather(0, block_tables)  # [S_d, M * block_size, H, D]
-                return F.scaled_dot_product_attention(
-                    q[:, :, None, :],  # [S_d, H, 1, D]
-                    k_all.transpose(1, 2),  # [S_d, H, M * block_size, D]
-                    v_all.transpose(1, 2),
-                    attn_mask=mask,  # [S_d, 1, 1, M * block_size]
-                )[:, :, 0]  # [S_d, H, D]
-
-            def triton_with(num_splits):
-                return lambda: paged_attention(q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1,
-                                               num_splits=num_splits)
-
-            impls = {"step4_gather_sdpa": step4_gather_sdpa} | {n: triton_with(s) for n, s in DECODE_SPLITS.items()}
-            ref = paged_attention_reference(q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1)
-            point = measure(impls, device, runs, sizes["cpu_repeats"], lambda name, y: max_abs_diff(y, ref))
-            del ref
-            kv_bytes = 2 * S * ctx * H * D * dtype.itemsize
-            for m in point["median"].values():
-                if "ms" in m:
-                    m["kv_bytes_per_s"] = kv_bytes / (m["ms"] * 1e-3)
-                    m["share_of_copy_bandwidth"] = m["kv_bytes_per_s"] / bandwidth
-            ran = point["runs"]
-            point["ratios"] = {f"step4/{n}": harness.ratio(ran["step4_gather_sdpa"], ran[n], "ms")
-                               for n in DECODE_SPLITS if n in ran and "step4_gather_sdpa" in ran}
-            auto = choose_num_splits(S, H, 1, bt32.shape[1] * BLOCK_SIZE, q.device)
-            points.append({"num_seqs": S, "context": ctx, "kv_bytes": kv_bytes, "auto_num_splits": auto, **point})
-            print(f"  decode S = {S:3d}, context {ctx:4d} (auto: {auto} splits): " + "  ".join(
-                f"{n.removeprefix('triton_')} {1e3 * m['ms']:.1f} us {100 * m['share_of_copy_bandwidth']:.1f}%"
-                for n, m in point["median"].items() if "ms" in m)
-                + f"  max |diff| {max(point['max_abs_diff'].values()):.1e}", flush=True)
-            del cache, q, impls
-            free(device)
+            points.append(decode_point(config, dtype, device, runs, sizes, gen, bandwidth, S, ctx))
+            harness.free(device)  # the point's tensors went with its frame
     return points
+
+
+def decode_point(config, dtype, device: str, runs: int, sizes: dict, gen, bandwidth: float, S: int, ctx: int) -> dict:
+    """S decodes over ctx tokens of context each: step 4's gather + SDPA and the Triton kernel's paths."""
+    H, D = config.n_head, config.head_dim
+    cache, block_tables = paged_batch(config, S, ctx, dtype, device, gen)
+    q = torch.randn(S, H, D, generator=gen, device=device, dtype=dtype)  # [S, H, D]
+    seq_lens = torch.full((S,), ctx, dtype=torch.int64, device=device)  # the new token included
+    query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
+    bt32, lens32 = block_tables.to(torch.int32), seq_lens.to(torch.int32)
+
+    mask = decode_attention_mask(seq_lens, block_tables.shape[1] * BLOCK_SIZE, dtype)  # once per step
+
+    def step4_gather_sdpa():  # step4_paged_continuous/model.py, paged_attention's decode branch (one layer)
+        k_all, v_all = cache.gather(0, block_tables)  # [S_d, M * block_size, H, D]
+        return F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [S_d, H, 1, D]
+            k_all.transpose(1, 2),  # [S_d, H, M * block_size, D]
+            v_all.transpose(1, 2),
+            attn_mask=mask,  # [S_d, 1, 1, M * block_size]
+        )[:, :, 0]  # [S_d, H, D]
+
+    def triton_with(num_splits):
+        return lambda: paged_attention(q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1,
+                                       num_splits=num_splits)
+
+    impls = {"step4_gather_sdpa": step4_gather_sdpa} | {n: triton_with(s) for n, s in DECODE_SPLITS.items()}
+    ref = paged_attention_reference(q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1)
+    point = measure(impls, device, runs, sizes["cpu_repeats"], lambda name, y: max_abs_diff(y, ref))
+    kv_bytes = 2 * S * ctx * H * D * dtype.itemsize
+    for m in point["median"].values():
+        if "ms" in m:
+            m["kv_bytes_per_s"] = kv_bytes / (m["ms"] * 1e-3)
+            m["share_of_copy_bandwidth"] = m["kv_bytes_per_s"] / bandwidth
+    ran = point["runs"]
+    point["ratios"] = {f"step4/{n}": harness.ratio(ran["step4_gather_sdpa"], ran[n], "ms")
+                       for n in DECODE_SPLITS if n in ran and "step4_gather_sdpa" in ran}
+    auto = choose_num_splits(S, H, 1, bt32.shape[1] * BLOCK_SIZE, q.device)
+    print(f"  decode S = {S:3d}, context {ctx:4d} (auto: {auto} splits): " + "  ".join(
+        f"{n.removeprefix('triton_')} {1e3 * m['ms']:.1f} us {100 * m['share_of_copy_bandwidth']:.1f}%"
+        for n, m in point["median"].items() if "ms" in m)
+        + f"  max |diff| {max(point['max_abs_diff'].values()):.1e}", flush=True)
+    return {"num_seqs": S, "context": ctx, "kv_bytes": kv_bytes, "auto_num_splits": auto, **point}
 
 
 # ---- c. write_kv --------------------------------------------------------------------------------------------
@@ -411,8 +411,6 @@ def bench_write_kv(config, dtype, device: str, runs: int, sizes: dict, gen) -> l
         points.append({"tokens": N, "bytes_moved": nbytes, "pools_equal": equal, **point})
         print(f"  write_kv N = {N:5d}: " + "  ".join(f"{n} {1e3 * m['ms']:.1f} us" for n, m in point["median"].items())
               + f"  pools equal: {equal}", flush=True)
-    del cache, twin
-    free(device)
     return points
 
 
@@ -484,7 +482,7 @@ def check_fit(folder: Path, device: str, dtype: str, budget: int, length: int, g
     import step5_flash_gpu
 
     cuda = torch.device(device).type == "cuda" and read_memory
-    free(device)
+    harness.free(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -510,7 +508,7 @@ def check_fit(folder: Path, device: str, dtype: str, budget: int, length: int, g
            "generated_tokens": tokens, "num_blocks": stats.num_blocks, "kv_pool_bytes": engine.kv_cache.nbytes,
            "built_bytes": built, "peak_bytes": torch.cuda.max_memory_allocated(device) - before if cuda else None}
     del engine
-    free(device)
+    harness.free(device)
     return out
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import cProfile
 import dataclasses
-import gc
 import importlib
 import importlib.util
 import json
@@ -287,9 +286,9 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], lengt
                 out["profiles"][e] = profile_engine(llms[e].engine, modules[e], reqs, profile["steps"], profile["top"],
                                                     device)
             del llms
-            free(device)
+            harness.free(device)
         del hf, step2
-        free(device)
+        harness.free(device)
     return out
 
 
@@ -423,7 +422,7 @@ def run_dtype_study(spec: dict, device: str) -> dict:
                                 "first_divergence_median": firsts[len(firsts) // 2] if firsts else None,
                                 "tier_holds": holds}
         del low_oracle
-        free(device)
+        harness.free(device)
     return out
 
 
@@ -438,13 +437,6 @@ def top_functions(profiler: cProfile.Profile, key: str, n: int) -> list[dict]:
         rows.append({"function": f"{file}:{line}({func})" if line else func, "calls": calls,
                      "primitive_calls": primitive, "tottime_s": tottime, "cumtime_s": cumtime})
     return sorted(rows, key=lambda r: r[f"{key}_s"], reverse=True)[:n]
-
-
-def free(device: str) -> None:
-    """Give the memory of dropped engines back, so that the next batch size's engines fit."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def report(result: dict) -> str:

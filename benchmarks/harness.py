@@ -14,6 +14,7 @@ The rules (also in benchmarks/README.md):
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -166,6 +167,14 @@ def write_json(path: Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return path
+
+
+def free(device: str | torch.device) -> None:
+    """Give the memory of dropped objects back (garbage collection, then CUDA's cache on a GPU), so that the
+    next point's tensors or engines fit."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def save_figure(fig, path: Path, dpi: int = 100) -> Path:

@@ -91,7 +91,8 @@ def _paged_attention_kernel(
     Online softmax (FlashAttention-2): scores and running max / sum in fp32, base 2 (qk_scale includes
     log2 e), fp32 accumulator rescaled by exp2(m_old - m_new), divided by the sum once at the end. Q @ K^T
     and P @ V run on tensor cores in q's dtype (fp32 inputs: three tf32 products, tf32x3, as accurate as fp32;
-    IEEE in the interpreter). D is padded to a power of two, the padding masked to 0. A decode is a tile with one valid row (BLOCK_M >= 16 keeps tl.dot legal).
+    IEEE in the interpreter). D is padded to a power of two, the padding masked to 0. A decode is a tile with
+    one valid row (BLOCK_M >= 16 keeps tl.dot legal).
     """
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles first: a long prompt's heaviest tiles start early
     h = tl.program_id(1)
@@ -289,9 +290,8 @@ def _write_kv_kernel(
 
 # A query run of each row of the tile table below: warm_up compiles each once.
 TILE_TABLE_QUERY_LENS = (1, 64, 128)
-MAX_SPLITS = 16  # flash-decoding's most splits per sequence: powers of two up to this, see choose_num_splits
-SPLIT_MIN_KV_LEN = 2048  # tokens of context from which a decode batch that leaves SMs idle splits
-SPLIT_MIN_KEYS = 256  # the fewest keys one split takes
+SPLIT_COUNTS = (8, 16)  # flash-decoding's split counts, a compiled kernel each: see choose_num_splits
+SPLIT_MIN_KEYS = 256  # the fewest keys one split takes: contexts from 8 x 256 = 2,048 tokens split
 
 
 def _attention_config(max_query_len: int, head_dim: int) -> dict:
@@ -312,19 +312,19 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(num_seqs: int, num_heads: int, max_query_len: int, max_kv_len: int, device: torch.device) -> int:
     """How many programs share one decode's keys: 1 (the plain kernel) unless S x H programs leave SMs idle
-    and the contexts are long (``max_kv_len`` >= ``SPLIT_MIN_KV_LEN`` tokens).
+    and the contexts are long enough for the fewest splits of ``SPLIT_COUNTS`` to take ``SPLIT_MIN_KEYS`` each.
 
-    Only all-decode batches split, into ``max_kv_len // SPLIT_MIN_KEYS`` splits, at most ``MAX_SPLITS``, rounded
-    down to a power of two: each count is a kernel of its own (a compile-time constant), so a growing context
-    compiles 2 of them (8, 16), not one per 256 tokens. Tuned on an H200 (benchmarks/results/attention-cuda.json):
-    below ~2,048 tokens the split path's second launch costs more than it saves (1 x 512: 56 us with 2 splits,
-    18 us plain), and where it pays, more splits pay more (8 x 4,096: 55 us with 16 splits, 119 us with 2, 113 us
+    Only all-decode batches split, into the most of ``SPLIT_COUNTS`` that leaves each split at least
+    ``SPLIT_MIN_KEYS`` keys: each count is a kernel of its own (a compile-time constant), so a growing context
+    compiles 2 of them, not one per 256 tokens. Tuned on an H200 (benchmarks/results/attention-cuda.json): below
+    ~2,048 tokens the split path's second launch costs more than it saves (1 x 512: 56 us with 2 splits, 18 us
+    plain), and where it pays, more splits pay more (8 x 4,096: 55 us with 16 splits, 119 us with 2, 113 us
     plain). GPT-2's 1,024-token window never splits.
     """
-    if max_query_len != 1 or num_seqs * num_heads >= _num_sms(device) or max_kv_len < SPLIT_MIN_KV_LEN:
+    fitting = [n for n in SPLIT_COUNTS if n * SPLIT_MIN_KEYS <= max_kv_len]
+    if max_query_len != 1 or num_seqs * num_heads >= _num_sms(device) or not fitting:
         return 1
-    splits = min(MAX_SPLITS, max_kv_len // SPLIT_MIN_KEYS)
-    return 1 << (splits.bit_length() - 1)  # the largest power of two <= splits
+    return max(fitting)
 
 
 def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -441,9 +441,8 @@ def _paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
     """Compile now every kernel variant an engine of this shape can launch: the main kernel in each tile
-    configuration of ``_attention_config`` (``TILE_TABLE_QUERY_LENS``) and flash-decoding with each split count
-    ``choose_num_splits`` can return (powers of two from ``SPLIT_MIN_KV_LEN // SPLIT_MIN_KEYS`` to ``MAX_SPLITS``),
-    on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
+    configuration of ``_attention_config`` (``TILE_TABLE_QUERY_LENS``) and flash-decoding with each of
+    ``SPLIT_COUNTS``, on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
 
     Triton compiles a variant on its first launch (about a second each on an H200; later processes read
     Triton's on-disk cache): without this, the first request that needs one waits for the compiler.
@@ -453,8 +452,7 @@ def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, 
     k_cache = torch.zeros(blocks, block_size, num_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     block_tables = torch.arange(blocks, device=device)[None, :]  # [1, blocks] int64
-    split_counts = [2**i for i in range(MAX_SPLITS.bit_length()) if SPLIT_MIN_KV_LEN // SPLIT_MIN_KEYS <= 2**i]  # 8, 16
-    for query_len, num_splits in [(n, 1) for n in TILE_TABLE_QUERY_LENS] + [(1, n) for n in split_counts]:
+    for query_len, num_splits in [(n, 1) for n in TILE_TABLE_QUERY_LENS] + [(1, n) for n in SPLIT_COUNTS]:
         q = torch.zeros(query_len, num_heads, head_dim, device=device, dtype=dtype)
         seq_lens = torch.tensor([query_len], device=device)
         query_start_loc = torch.tensor([0, query_len], device=device)

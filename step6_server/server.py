@@ -712,7 +712,7 @@ class Server:
                 stop=stop + [s for s in extra_stop if s not in stop],
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
-                seed=None if req.seed is None else (req.seed + choice) % 2**64 if req.seed + choice >= 2**64 else req.seed + choice,
+                seed=None if req.seed is None else (req.seed + choice) % 2**64,  # wraps, as the generator's seed does
                 output_kind=RequestOutputKind.DELTA,
             )
         except ValueError as e:
