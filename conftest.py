@@ -20,7 +20,9 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():  # step 5's Triton kernels run through Triton's interpreter on the CPU; the
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # switch is read when triton is first imported (transformers does)
+    os.environ.setdefault(
+        "TRITON_INTERPRET", "1"
+    )  # switch is read when triton is first imported (transformers does)
 
 from common.weights import DEMO_CHECKPOINT
 
@@ -33,7 +35,9 @@ def write_random_snapshot(folder: Path, seed: int = 0, **config) -> Path:
 
     torch.manual_seed(seed)
     vocab_size = 8192  # the demo checkpoint's tokenizer
-    cfg = GPT2Config(vocab_size=vocab_size, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **config)
+    cfg = GPT2Config(
+        vocab_size=vocab_size, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **config
+    )
     model = GPT2LMHeadModel(cfg)
     with torch.no_grad():  # larger than the default init, so that logits differ visibly between tokens
         for p in model.parameters():
@@ -66,14 +70,18 @@ def padded_vocab_snapshot(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("padded-vocab-gpt2")
     torch.manual_seed(0)
     eos = 8191
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=PADDED_VOCAB_SIZE, bos_token_id=eos, eos_token_id=eos, **TINY_CONFIG))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=PADDED_VOCAB_SIZE, bos_token_id=eos, eos_token_id=eos, **TINY_CONFIG)
+    )
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
         direction = torch.nn.functional.normalize(torch.randn(TINY_CONFIG["n_embd"]), dim=0)
         model.transformer.ln_f.bias.copy_(5.0 * direction)
-        model.transformer.wte.weight[UNNAMED_TOKEN_ID] = 5.0 * direction  # its logit: about 25, the others' about 0 +- 1
+        model.transformer.wte.weight[UNNAMED_TOKEN_ID] = (
+            5.0 * direction
+        )  # its logit: about 25, the others' about 0 +- 1
     model.save_pretrained(folder)
     for name in ("vocab.json", "merges.txt"):
         shutil.copy(DEMO_CHECKPOINT / name, folder / name)
@@ -96,7 +104,9 @@ def gpt2_snapshot() -> Path:
 
         from common.weights import SNAPSHOT_FILES, missing_files
 
-        path = Path(snapshot_download("openai-community/gpt2", allow_patterns=SNAPSHOT_FILES, local_files_only=True))
+        path = Path(
+            snapshot_download("openai-community/gpt2", allow_patterns=SNAPSHOT_FILES, local_files_only=True)
+        )
         if not missing_files(path):
             return path
     except Exception:

@@ -18,12 +18,30 @@ from .models import MODELS
 
 # name -> (module, what it measures in one line). Modules are imported only when run, so --help is fast.
 BENCHMARKS = {
-    "kvcache": ("benchmarks.kvcache", "step2's KV cache vs step1 and HF: ms/token vs length, TTFT, KV bytes/token"),
-    "static_batch": ("benchmarks.static_batch", "step3's static batching vs step2 and HF batched: tok/s vs batch, mixed"),
-    "continuous": ("benchmarks.continuous", "step4's continuous batching + paged KV vs step3 and HF: latency, memory"),
-    "gpu": ("benchmarks.gpu", "steps 2-5 vs HF generate on a GPU: ms/token at B=1, tok/s vs B, fp16/fp32, profile"),
-    "attention": ("benchmarks.attention", "step5's Triton kernels vs PyTorch: prefill, paged decode, write_kv, KV memory"),
-    "server": ("benchmarks.server", "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson"),
+    "kvcache": (
+        "benchmarks.kvcache",
+        "step2's KV cache vs step1 and HF: ms/token vs length, TTFT, KV bytes/token",
+    ),
+    "static_batch": (
+        "benchmarks.static_batch",
+        "step3's static batching vs step2 and HF batched: tok/s vs batch, mixed",
+    ),
+    "continuous": (
+        "benchmarks.continuous",
+        "step4's continuous batching + paged KV vs step3 and HF: latency, memory",
+    ),
+    "gpu": (
+        "benchmarks.gpu",
+        "steps 2-5 vs HF generate on a GPU: ms/token at B=1, tok/s vs B, fp16/fp32, profile",
+    ),
+    "attention": (
+        "benchmarks.attention",
+        "step5's Triton kernels vs PyTorch: prefill, paged decode, write_kv, KV memory",
+    ),
+    "server": (
+        "benchmarks.server",
+        "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson",
+    ),
 }
 
 
@@ -36,20 +54,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=f"benchmarks:\n{listing}\n\nmodels:\n{models}\n  (or a local snapshot folder)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("name", choices=BENCHMARKS, metavar="name", help="the benchmark to run (listed below)")
+    parser.add_argument(
+        "name", choices=BENCHMARKS, metavar="name", help="the benchmark to run (listed below)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--model", action="append", dest="models", metavar="MODEL",
-                        help="a model to run on (repeatable); default: the benchmark's own list")
-    parser.add_argument("--runs", type=int, default=None,
-                        help="measured runs per point, after a warm-up (default: the benchmark's own, 5 or 3)")
-    parser.add_argument("--quick", action="store_true", help="1 run and shorter lengths: checks that it works")
-    parser.add_argument("--replot", action="store_true",
-                        help="measure nothing: draw the PNG again from the recorded JSON (of --quick with --quick) "
-                        "and print its table")
-    parser.add_argument("--dtype", action="append", dest="dtypes", metavar="DTYPE",
-                        choices=["float16", "bfloat16", "float32"],
-                        help="gpu only: run only this dtype's points (repeatable) and merge them into the recorded "
-                        "JSON, replacing that dtype's earlier points")
+    parser.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        metavar="MODEL",
+        help="a model to run on (repeatable); default: the benchmark's own list",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help="measured runs per point, after a warm-up (default: the benchmark's own, 5 or 3)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="1 run and shorter lengths: checks that it works"
+    )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="measure nothing: draw the PNG again from the recorded JSON (of --quick with --quick) "
+        "and print its table",
+    )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        dest="dtypes",
+        metavar="DTYPE",
+        choices=["float16", "bfloat16", "float32"],
+        help="gpu only: run only this dtype's points (repeatable) and merge them into the recorded "
+        "JSON, replacing that dtype's earlier points",
+    )
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -62,7 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{e}")
     if args.dtypes and args.replot:
         parser.error("--dtype measures: it does not go with --replot")
-    if args.dtypes and "dtypes" not in inspect.signature(importlib.import_module(BENCHMARKS[args.name][0]).main).parameters:
+    if (
+        args.dtypes
+        and "dtypes"
+        not in inspect.signature(importlib.import_module(BENCHMARKS[args.name][0]).main).parameters
+    ):
         parser.error(f"--dtype: the {args.name} benchmark runs one dtype; only gpu takes --dtype")
     return args
 

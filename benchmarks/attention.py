@@ -95,8 +95,17 @@ FULL = {
     "cpu_repeats": 3,
 }
 # --quick, on the CPU through the interpreter (one program at a time: slow): lengths off block boundaries
-QUICK = {**FULL, "dtype": "float32", "prefill_lens": [16, 40], "prefill_batch": 2, "decode_seqs": [1, 2],
-         "decode_ctx": [40], "write_tokens": [1, 24], "write_pool_blocks": 8, "cpu_repeats": 1}
+QUICK = {
+    **FULL,
+    "dtype": "float32",
+    "prefill_lens": [16, 40],
+    "prefill_batch": 2,
+    "decode_seqs": [1, 2],
+    "decode_ctx": [40],
+    "write_tokens": [1, 24],
+    "write_pool_blocks": 8,
+    "cpu_repeats": 1,
+}
 TARGETS = {"prefill_faster_from": 256, "prefill_sdpa_from": 2048, "decode_point": (256, 1024)}
 DECODE_SPLITS = {"triton_auto": None, "triton_plain": 1, "triton_split4": 4, "triton_split16": 16}
 IMPLEMENTATIONS = {
@@ -117,32 +126,51 @@ IMPLEMENTATIONS = {
 }
 
 
-def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False,
-         out_dir: Path = harness.RESULTS) -> dict:
+def main(
+    models: list[str] | None = None,
+    device: str = "cpu",
+    runs: int = DEFAULT_RUNS,
+    quick: bool = False,
+    out_dir: Path = harness.RESULTS,
+) -> dict:
     """The CLI entry (``python -m benchmarks attention``). Raises ValueError for the full sizes without CUDA."""
     if not quick and torch.device(device).type != "cuda":
         raise ValueError("the attention benchmark's full sizes need a CUDA GPU; use --quick on a CPU")
-    return run(models or DEFAULT_MODELS, device, 1 if quick else runs, QUICK if quick else FULL, quick, out_dir)
+    return run(
+        models or DEFAULT_MODELS, device, 1 if quick else runs, QUICK if quick else FULL, quick, out_dir
+    )
 
 
-def run(models: list[str], device: str, runs: int, sizes: dict = FULL, quick: bool = False,
-        out_dir: Path = harness.RESULTS, measure_memory: bool | None = None) -> dict:
+def run(
+    models: list[str],
+    device: str,
+    runs: int,
+    sizes: dict = FULL,
+    quick: bool = False,
+    out_dir: Path = harness.RESULTS,
+    measure_memory: bool | None = None,
+) -> dict:
     """Every section on each model's attention shape; write ``<out_dir>/attention-<device>.json`` and ``.png``.
 
     sizes: ``FULL``'s keys. measure_memory: run the engine for section d (default: on CUDA only; on a CPU the
     engine runs but no memory figure is read). Returns the result written (see benchmarks/README.md).
     """
     if not triton_usable(device):
-        raise ValueError(f"Triton cannot run on {device} in this process: without CUDA, TRITON_INTERPRET=1 must be "
-                         "set before triton is first imported (import benchmarks.attention first)")
+        raise ValueError(
+            f"Triton cannot run on {device} in this process: without CUDA, TRITON_INTERPRET=1 must be "
+            "set before triton is first imported (import benchmarks.attention first)"
+        )
     started = time.perf_counter()
     import triton
 
     result = {
         "benchmark": NAME,
-        "machine": {**harness.machine_info(device, sizes["dtype"]), "triton": triton.__version__,
-                    "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1",
-                    "copy_bandwidth_bytes_per_s": harness.copy_bandwidth(device)},
+        "machine": {
+            **harness.machine_info(device, sizes["dtype"]),
+            "triton": triton.__version__,
+            "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+            "copy_bandwidth_bytes_per_s": harness.copy_bandwidth(device),
+        },
         "workload": {
             **{k: v for k, v in sizes.items()},
             "block_size": BLOCK_SIZE,
@@ -165,20 +193,31 @@ def run(models: list[str], device: str, runs: int, sizes: dict = FULL, quick: bo
         measure_memory = torch.device(device).type == "cuda"
 
     def bench(name: str) -> dict:
-        return bench_model(name, device, runs, sizes, result["machine"]["copy_bandwidth_bytes_per_s"], measure_memory)
+        return bench_model(
+            name, device, runs, sizes, result["machine"]["copy_bandwidth_bytes_per_s"], measure_memory
+        )
 
     harness.run_models(result, models, bench)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
-def bench_model(name: str, device: str, runs: int, sizes: dict, bandwidth: float, measure_memory: bool) -> dict:
+def bench_model(
+    name: str, device: str, runs: int, sizes: dict, bandwidth: float, measure_memory: bool
+) -> dict:
     folder = snapshot(name)
     config = load_config(folder)
     dtype = getattr(torch, sizes["dtype"])
     shape = {"n_layer": config.n_layer, "n_head": config.n_head, "head_dim": config.head_dim}
     gen = torch.Generator(device=device).manual_seed(SEED)  # data made on the device: fast at real sizes
-    out = {"snapshot": str(folder), "config": {**shape, "n_embd": config.n_embd, "n_positions": config.n_positions,
-                                               "vocab_size": config.vocab_size}}
+    out = {
+        "snapshot": str(folder),
+        "config": {
+            **shape,
+            "n_embd": config.n_embd,
+            "n_positions": config.n_positions,
+            "vocab_size": config.vocab_size,
+        },
+    }
     out["prefill"] = bench_prefill(config, dtype, device, runs, sizes, gen)
     out["decode"] = bench_decode(config, dtype, device, runs, sizes, gen, bandwidth)
     out["write_kv"] = bench_write_kv(config, dtype, device, runs, sizes, gen)
@@ -216,8 +255,13 @@ def peak_bytes(fn: Callable[[], object], device: str) -> tuple[int | None, objec
     return torch.cuda.max_memory_allocated(device) - before, out
 
 
-def measure(impls: dict[str, Callable[[], object]], device: str, runs: int, repeats: int,
-            check: Callable[[str, object], float] | None = None) -> dict:
+def measure(
+    impls: dict[str, Callable[[], object]],
+    device: str,
+    runs: int,
+    repeats: int,
+    check: Callable[[str, object], float] | None = None,
+) -> dict:
     """One point: each implementation once untimed (its peak memory, and ``check(name, its output)``, the
     max_abs_diff recorded; out of memory recorded and the implementation left out), then ``runs`` rounds
     alternated. Returns runs, medians (+ peak_bytes), max_abs_diff (with ``check``), errors."""
@@ -231,8 +275,11 @@ def measure(impls: dict[str, Callable[[], object]], device: str, runs: int, repe
             errors[name] = "out of memory"
         output = None
         harness.free(device)
-    live = {name: (lambda fn=fn: {"ms": time_ms(fn, device, repeats)}) for name, fn in impls.items()
-            if name not in errors}
+    live = {
+        name: (lambda fn=fn: {"ms": time_ms(fn, device, repeats)})
+        for name, fn in impls.items()
+        if name not in errors
+    }
     raw = harness.alternate(live, runs, warmup=0)
     median = {name: {**harness.medians(rs), "peak_bytes": peaks[name]} for name, rs in raw.items()}
     return {"runs": raw, "median": median, **({"max_abs_diff": diffs} if check else {}), "errors": errors}
@@ -257,7 +304,9 @@ def paged_batch(config, num_seqs: int, seq_len: int, dtype, device: str, gen: to
     """A pool holding num_seqs sequences of seq_len tokens in shuffled blocks, and their block tables [S, M]."""
     m = math.ceil(seq_len / BLOCK_SIZE)
     cache = kv_pool(config, num_seqs * m, dtype, device, gen)
-    block_tables = torch.randperm(num_seqs * m, generator=gen, device=device).view(num_seqs, m)  # int64, as step 4
+    block_tables = torch.randperm(num_seqs * m, generator=gen, device=device).view(
+        num_seqs, m
+    )  # int64, as step 4
     return cache, block_tables
 
 
@@ -311,14 +360,26 @@ def prefill_point(config, dtype, device: str, runs: int, sizes: dict, gen, T: in
         if "ms" in m:
             m["tflops"] = flops / (m["ms"] * 1e-3) / 1e12
     ran = point["runs"]
-    point["ratios"] = {label: harness.ratio(ran[a], ran[b], "ms") for label, (a, b) in
-                       {"materialised/triton": ("materialised", "triton_paged"),
-                        "triton/sdpa": ("triton_paged", "sdpa")}.items() if a in ran and b in ran}
-    print(f"  prefill T = {T:5d} x {B}: " + "  ".join(
-        f"{n} {m['ms']:.3f} ms" + (f" {m['peak_bytes'] / 2**20:.1f} MiB" if m["peak_bytes"] is not None else "")
-        for n, m in point["median"].items() if "ms" in m)
+    point["ratios"] = {
+        label: harness.ratio(ran[a], ran[b], "ms")
+        for label, (a, b) in {
+            "materialised/triton": ("materialised", "triton_paged"),
+            "triton/sdpa": ("triton_paged", "sdpa"),
+        }.items()
+        if a in ran and b in ran
+    }
+    print(
+        f"  prefill T = {T:5d} x {B}: "
+        + "  ".join(
+            f"{n} {m['ms']:.3f} ms"
+            + (f" {m['peak_bytes'] / 2**20:.1f} MiB" if m["peak_bytes"] is not None else "")
+            for n, m in point["median"].items()
+            if "ms" in m
+        )
         + "".join(f"  {n}: {e}" for n, e in point["errors"].items())
-        + f"  |triton - ref| {diffs.get('triton_paged', math.nan):.1e}", flush=True)
+        + f"  |triton - ref| {diffs.get('triton_paged', math.nan):.1e}",
+        flush=True,
+    )
     return {"T": T, "num_seqs": B, "tokens": B * T, "flops": flops, **point}
 
 
@@ -334,7 +395,9 @@ def bench_decode(config, dtype, device: str, runs: int, sizes: dict, gen, bandwi
     return points
 
 
-def decode_point(config, dtype, device: str, runs: int, sizes: dict, gen, bandwidth: float, S: int, ctx: int) -> dict:
+def decode_point(
+    config, dtype, device: str, runs: int, sizes: dict, gen, bandwidth: float, S: int, ctx: int
+) -> dict:
     """S decodes over ctx tokens of context each: step 4's gather + SDPA and the Triton kernel's paths."""
     H, D = config.n_head, config.head_dim
     cache, block_tables = paged_batch(config, S, ctx, dtype, device, gen)
@@ -355,8 +418,9 @@ def decode_point(config, dtype, device: str, runs: int, sizes: dict, gen, bandwi
         )[:, :, 0]  # [S_d, H, D]
 
     def triton_with(num_splits):
-        return lambda: paged_attention(q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1,
-                                       num_splits=num_splits)
+        return lambda: paged_attention(
+            q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1, num_splits=num_splits
+        )
 
     impls = {"step4_gather_sdpa": step4_gather_sdpa} | {n: triton_with(s) for n, s in DECODE_SPLITS.items()}
     ref = paged_attention_reference(q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1)
@@ -367,13 +431,22 @@ def decode_point(config, dtype, device: str, runs: int, sizes: dict, gen, bandwi
             m["kv_bytes_per_s"] = kv_bytes / (m["ms"] * 1e-3)
             m["share_of_copy_bandwidth"] = m["kv_bytes_per_s"] / bandwidth
     ran = point["runs"]
-    point["ratios"] = {f"step4/{n}": harness.ratio(ran["step4_gather_sdpa"], ran[n], "ms")
-                       for n in DECODE_SPLITS if n in ran and "step4_gather_sdpa" in ran}
+    point["ratios"] = {
+        f"step4/{n}": harness.ratio(ran["step4_gather_sdpa"], ran[n], "ms")
+        for n in DECODE_SPLITS
+        if n in ran and "step4_gather_sdpa" in ran
+    }
     auto = choose_num_splits(S, H, 1, bt32.shape[1] * BLOCK_SIZE, q.device)
-    print(f"  decode S = {S:3d}, context {ctx:4d} (auto: {auto} splits): " + "  ".join(
-        f"{n.removeprefix('triton_')} {1e3 * m['ms']:.1f} us {100 * m['share_of_copy_bandwidth']:.1f}%"
-        for n, m in point["median"].items() if "ms" in m)
-        + f"  max |diff| {max(point['max_abs_diff'].values()):.1e}", flush=True)
+    print(
+        f"  decode S = {S:3d}, context {ctx:4d} (auto: {auto} splits): "
+        + "  ".join(
+            f"{n.removeprefix('triton_')} {1e3 * m['ms']:.1f} us {100 * m['share_of_copy_bandwidth']:.1f}%"
+            for n, m in point["median"].items()
+            if "ms" in m
+        )
+        + f"  max |diff| {max(point['max_abs_diff'].values()):.1e}",
+        flush=True,
+    )
     return {"num_seqs": S, "context": ctx, "kv_bytes": kv_bytes, "auto_num_splits": auto, **point}
 
 
@@ -402,15 +475,24 @@ def bench_write_kv(config, dtype, device: str, runs: int, sizes: dict, gen) -> l
         indexing()
         triton_write_kv()
         equal = torch.equal(cache.k[0], twin.k[0]) and torch.equal(cache.v[0], twin.v[0])
-        point = measure({"indexing": indexing, "triton_write_kv": triton_write_kv}, device, runs, sizes["cpu_repeats"])
+        point = measure(
+            {"indexing": indexing, "triton_write_kv": triton_write_kv}, device, runs, sizes["cpu_repeats"]
+        )
         nbytes = 2 * 2 * N * H * D * dtype.itemsize  # K and V, each read once and written once
         for m in point["median"].values():
             m["bytes_per_s"] = nbytes / (m["ms"] * 1e-3)
-        point["ratios"] = {"indexing/triton": harness.ratio(point["runs"]["indexing"], point["runs"]["triton_write_kv"],
-                                                            "ms")}
+        point["ratios"] = {
+            "indexing/triton": harness.ratio(
+                point["runs"]["indexing"], point["runs"]["triton_write_kv"], "ms"
+            )
+        }
         points.append({"tokens": N, "bytes_moved": nbytes, "pools_equal": equal, **point})
-        print(f"  write_kv N = {N:5d}: " + "  ".join(f"{n} {1e3 * m['ms']:.1f} us" for n, m in point["median"].items())
-              + f"  pools equal: {equal}", flush=True)
+        print(
+            f"  write_kv N = {N:5d}: "
+            + "  ".join(f"{n} {1e3 * m['ms']:.1f} us" for n, m in point["median"].items())
+            + f"  pools equal: {equal}",
+            flush=True,
+        )
     return points
 
 
@@ -435,46 +517,89 @@ def memory_model(folder: Path, config, sizes: dict, device: str, run_engine: boo
     block_bytes = 2 * config.n_layer * BLOCK_SIZE * config.n_head * config.head_dim * dtype.itemsize
     assert block_bytes == PagedKVCache.block_bytes(config, BLOCK_SIZE, dtype)  # the formula is step 4's
     parameters, weights = weight_bytes(folder, dtype.itemsize)
-    out = {"dtype": sizes["dtype"], "block_size": BLOCK_SIZE, "bytes_per_block": block_bytes,
-           "bytes_per_token": block_bytes // BLOCK_SIZE, "parameters": parameters, "weight_bytes": weights,
-           "generated_tokens": sizes["kv_generated"], "measured": run_engine,
-           "memory_read": run_engine and torch.device(device).type == "cuda", "points": []}
+    out = {
+        "dtype": sizes["dtype"],
+        "block_size": BLOCK_SIZE,
+        "bytes_per_block": block_bytes,
+        "bytes_per_token": block_bytes // BLOCK_SIZE,
+        "parameters": parameters,
+        "weight_bytes": weights,
+        "generated_tokens": sizes["kv_generated"],
+        "measured": run_engine,
+        "memory_read": run_engine and torch.device(device).type == "cuda",
+        "points": [],
+    }
     if torch.device(device).type == "cuda":
         free_bytes, total = torch.cuda.mem_get_info(device)
-        out["device"] = {"total_bytes": total, "free_bytes": free_bytes,
-                         "kv_blocks_in_free_memory": (free_bytes - weights) // block_bytes,
-                         "sequences_of_each_length": {str(L): (free_bytes - weights) // block_bytes
-                                                      // math.ceil(L / BLOCK_SIZE) for L in sizes["kv_lengths"]}}
+        out["device"] = {
+            "total_bytes": total,
+            "free_bytes": free_bytes,
+            "kv_blocks_in_free_memory": (free_bytes - weights) // block_bytes,
+            "sequences_of_each_length": {
+                str(L): (free_bytes - weights) // block_bytes // math.ceil(L / BLOCK_SIZE)
+                for L in sizes["kv_lengths"]
+            },
+        }
     for budget in sizes["kv_budgets"]:
         for length in sizes["kv_lengths"]:
             if length > config.n_positions:
                 continue
             blocks = budget // block_bytes
             per_seq = math.ceil(length / BLOCK_SIZE)
-            point = {"budget_bytes": budget, "sequence_tokens": length, "blocks": blocks,
-                     "blocks_per_sequence": per_seq, "sequences": blocks // per_seq,
-                     "kv_pool_bytes": blocks * block_bytes, "predicted_bytes": weights + blocks * block_bytes}
+            point = {
+                "budget_bytes": budget,
+                "sequence_tokens": length,
+                "blocks": blocks,
+                "blocks_per_sequence": per_seq,
+                "sequences": blocks // per_seq,
+                "kv_pool_bytes": blocks * block_bytes,
+                "predicted_bytes": weights + blocks * block_bytes,
+            }
             if run_engine and point["sequences"] >= 1:
-                point["engine"] = check_fit(folder, device, sizes["dtype"], budget, length, sizes["kv_generated"],
-                                            point["sequences"])
-                point["engine_one_more"] = check_fit(folder, device, sizes["dtype"], budget, length,
-                                                     sizes["kv_generated"], point["sequences"] + 1, read_memory=False)
+                point["engine"] = check_fit(
+                    folder, device, sizes["dtype"], budget, length, sizes["kv_generated"], point["sequences"]
+                )
+                point["engine_one_more"] = check_fit(
+                    folder,
+                    device,
+                    sizes["dtype"],
+                    budget,
+                    length,
+                    sizes["kv_generated"],
+                    point["sequences"] + 1,
+                    read_memory=False,
+                )
                 mem = point["engine"]
                 if mem["peak_bytes"] is not None:
                     mem["peak_over_predicted"] = mem["peak_bytes"] / point["predicted_bytes"]
                     mem["built_over_predicted"] = mem["built_bytes"] / point["predicted_bytes"]
-                print(f"  memory: {budget / 2**30:.2f} GiB, {length} tokens: {point['sequences']} sequences predicted, "
-                      f"{mem['max_running']} ran at once ({mem['num_preemptions']} preemptions); one more: "
-                      f"{point['engine_one_more']['max_running']} at once, "
-                      f"{point['engine_one_more']['num_preemptions']} preemptions"
-                      + (f"; peak {mem['peak_bytes'] / 2**20:.0f} MiB vs {point['predicted_bytes'] / 2**20:.0f} MiB "
-                         "predicted" if mem["peak_bytes"] is not None else ""), flush=True)
+                print(
+                    f"  memory: {budget / 2**30:.2f} GiB, {length} tokens: {point['sequences']} sequences predicted, "
+                    f"{mem['max_running']} ran at once ({mem['num_preemptions']} preemptions); one more: "
+                    f"{point['engine_one_more']['max_running']} at once, "
+                    f"{point['engine_one_more']['num_preemptions']} preemptions"
+                    + (
+                        f"; peak {mem['peak_bytes'] / 2**20:.0f} MiB vs {point['predicted_bytes'] / 2**20:.0f} MiB "
+                        "predicted"
+                        if mem["peak_bytes"] is not None
+                        else ""
+                    ),
+                    flush=True,
+                )
             out["points"].append(point)
     return out
 
 
-def check_fit(folder: Path, device: str, dtype: str, budget: int, length: int, generated: int, n: int,
-              read_memory: bool = True) -> dict:
+def check_fit(
+    folder: Path,
+    device: str,
+    dtype: str,
+    budget: int,
+    length: int,
+    generated: int,
+    n: int,
+    read_memory: bool = True,
+) -> dict:
     """Build a step 5 ``LLMEngine`` with ``kv_cache_memory=budget`` and ``max_num_seqs=n``, run n sequences of
     ``length`` tokens (``length - generated`` prompt tokens, random ids, ``generated`` new ones, ignore_eos),
     and report the most running at once, the preemptions and, on CUDA, the memory: allocated after the build
@@ -486,12 +611,22 @@ def check_fit(folder: Path, device: str, dtype: str, budget: int, length: int, g
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    engine = step5_flash_gpu.LLMEngine(model=str(folder), device=device, dtype=dtype, block_size=BLOCK_SIZE,
-                                       kv_cache_memory=budget, max_num_seqs=n)
+    engine = step5_flash_gpu.LLMEngine(
+        model=str(folder),
+        device=device,
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=budget,
+        max_num_seqs=n,
+    )
     built = torch.cuda.memory_allocated(device) - before if cuda else None
     gen = torch.Generator().manual_seed(SEED)
-    params = step5_flash_gpu.SamplingParams(max_tokens=generated, temperature=0.0, ignore_eos=True,
-                                            output_kind=step5_flash_gpu.RequestOutputKind.FINAL_ONLY)
+    params = step5_flash_gpu.SamplingParams(
+        max_tokens=generated,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=step5_flash_gpu.RequestOutputKind.FINAL_ONLY,
+    )
     vocab = engine.config.vocab_size
     for i in range(n):
         prompt = torch.randint(0, vocab - 1, (length - generated,), generator=gen).tolist()
@@ -504,9 +639,17 @@ def check_fit(folder: Path, device: str, dtype: str, budget: int, length: int, g
         max_running = max(max_running, engine.stats.num_running_reqs)
     harness.synchronize(device)
     stats = engine.stats
-    out = {"sequences": n, "max_running": max_running, "num_preemptions": stats.num_preemptions, "steps": steps,
-           "generated_tokens": tokens, "num_blocks": stats.num_blocks, "kv_pool_bytes": engine.kv_cache.nbytes,
-           "built_bytes": built, "peak_bytes": torch.cuda.max_memory_allocated(device) - before if cuda else None}
+    out = {
+        "sequences": n,
+        "max_running": max_running,
+        "num_preemptions": stats.num_preemptions,
+        "steps": steps,
+        "generated_tokens": tokens,
+        "num_blocks": stats.num_blocks,
+        "kv_pool_bytes": engine.kv_cache.nbytes,
+        "built_bytes": built,
+        "peak_bytes": torch.cuda.max_memory_allocated(device) - before if cuda else None,
+    }
     del engine
     harness.free(device)
     return out
@@ -523,8 +666,10 @@ def memory_exponent(points: list[dict], impl: str) -> float | None:
         pts = [p for p in points if p["num_seqs"] == B and (p["median"].get(impl) or {}).get("peak_bytes")]
         if len(pts) >= 2 and pts[-1]["T"] > pts[0]["T"]:
             a, b = pts[0], pts[-1]
-            exps.append(math.log(b["median"][impl]["peak_bytes"] / a["median"][impl]["peak_bytes"])
-                        / math.log(b["T"] / a["T"]))
+            exps.append(
+                math.log(b["median"][impl]["peak_bytes"] / a["median"][impl]["peak_bytes"])
+                / math.log(b["T"] / a["T"])
+            )
     return max(exps) if exps else None
 
 
@@ -537,9 +682,16 @@ def targets(model: dict) -> list[dict]:
     faster_from = TARGETS["prefill_faster_from"] if full_prefill else lens[0]
     sdpa_from = TARGETS["prefill_sdpa_from"] if full_prefill else lens[-1]
     # materialised out of memory while the kernel ran: the kernel is the faster one there
-    faster = [p["ratios"]["materialised/triton"]["median"] if "materialised/triton" in p["ratios"] else math.inf
-              for p in pre if p["T"] >= faster_from and "triton_paged" in p["runs"]]
-    within = [p["ratios"]["triton/sdpa"]["median"] for p in pre if p["T"] >= sdpa_from and "triton/sdpa" in p["ratios"]]
+    faster = [
+        p["ratios"]["materialised/triton"]["median"] if "materialised/triton" in p["ratios"] else math.inf
+        for p in pre
+        if p["T"] >= faster_from and "triton_paged" in p["runs"]
+    ]
+    within = [
+        p["ratios"]["triton/sdpa"]["median"]
+        for p in pre
+        if p["T"] >= sdpa_from and "triton/sdpa" in p["ratios"]
+    ]
     S, ctx = TARGETS["decode_point"]
     at = [p for p in dec if (p["num_seqs"], p["context"]) == (S, ctx)]
     full_decode = bool(at)
@@ -547,17 +699,38 @@ def targets(model: dict) -> list[dict]:
     where = f"{point['num_seqs']} x {point['context']}"
     share = point["median"].get("triton_auto", {}).get("share_of_copy_bandwidth")
     return [
-        {"label": f"prefill: materialised / Triton time, the least at T >= {faster_from}",
-         "value": min(faster) if faster else None, "target": ">= 1", "full_size": full_prefill},
-        {"label": f"prefill: Triton / SDPA time, the most at T >= {sdpa_from}",
-         "value": max(within) if within else None, "target": "<= 1.5", "full_size": full_prefill},
-        {"label": "prefill: Triton peak memory ~ T^e, e (1: O(T), 2: O(T^2))",
-         "value": memory_exponent(pre, "triton_paged"), "target": "<= 1.1", "unit": "", "full_size": full_prefill},
-        {"label": f"decode: step 4 gather + SDPA / Triton (auto) time at {where}",
-         "value": point["ratios"].get("step4/triton_auto", {}).get("median"), "target": ">= 2",
-         "full_size": full_decode},
-        {"label": f"decode: Triton (auto) K+V bytes / time over the copy bandwidth at {where}",
-         "value": share, "target": ">= 0.5", "unit": "", "full_size": full_decode},
+        {
+            "label": f"prefill: materialised / Triton time, the least at T >= {faster_from}",
+            "value": min(faster) if faster else None,
+            "target": ">= 1",
+            "full_size": full_prefill,
+        },
+        {
+            "label": f"prefill: Triton / SDPA time, the most at T >= {sdpa_from}",
+            "value": max(within) if within else None,
+            "target": "<= 1.5",
+            "full_size": full_prefill,
+        },
+        {
+            "label": "prefill: Triton peak memory ~ T^e, e (1: O(T), 2: O(T^2))",
+            "value": memory_exponent(pre, "triton_paged"),
+            "target": "<= 1.1",
+            "unit": "",
+            "full_size": full_prefill,
+        },
+        {
+            "label": f"decode: step 4 gather + SDPA / Triton (auto) time at {where}",
+            "value": point["ratios"].get("step4/triton_auto", {}).get("median"),
+            "target": ">= 2",
+            "full_size": full_decode,
+        },
+        {
+            "label": f"decode: Triton (auto) K+V bytes / time over the copy bandwidth at {where}",
+            "value": share,
+            "target": ">= 0.5",
+            "unit": "",
+            "full_size": full_decode,
+        },
     ]
 
 
@@ -569,9 +742,11 @@ def report(result: dict) -> str:
     """Tables of the four sections per model, then the targets."""
     m, w = result["machine"], result["workload"]
     interpreter = ", Triton interpreter" if m["triton_interpreter"] else ""
-    lines = [f"attention on {m['device']} ({m.get('gpu') or m['cpu']}{interpreter}), "
-             f"{w['dtype']}, torch {m['torch']}, triton {m['triton']}, copy bandwidth "
-             f"{m['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {w['runs']} round(s), medians"]
+    lines = [
+        f"attention on {m['device']} ({m.get('gpu') or m['cpu']}{interpreter}), "
+        f"{w['dtype']}, torch {m['torch']}, triton {m['triton']}, copy bandwidth "
+        f"{m['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {w['runs']} round(s), medians"
+    ]
     for name, model in result["models"].items():
         c = model["config"]
         lines.append(f"\n## {name}: {c['n_head']} heads x {c['head_dim']}, {c['n_layer']} layers")
@@ -585,46 +760,113 @@ def report(result: dict) -> str:
                 peak = "" if med is None or med["peak_bytes"] is None else f" ({_mib(med['peak_bytes'])})"
                 cells.append(p["errors"].get(i, "-") if med is None else f"{med['ms']:.3g}{peak}")
             r = p["ratios"]
-            rows.append([p["T"], p["num_seqs"], *cells,
-                         r["materialised/triton"]["median"] if "materialised/triton" in r else None,
-                         r["triton/sdpa"]["median"] if "triton/sdpa" in r else None,
-                         f"{p['max_abs_diff'].get('triton_paged', math.nan):.1e}"])
+            rows.append(
+                [
+                    p["T"],
+                    p["num_seqs"],
+                    *cells,
+                    r["materialised/triton"]["median"] if "materialised/triton" in r else None,
+                    r["triton/sdpa"]["median"] if "triton/sdpa" in r else None,
+                    f"{p['max_abs_diff'].get('triton_paged', math.nan):.1e}",
+                ]
+            )
         lines.append(harness.table(["T", "seqs", *impls, "mat/triton", "triton/sdpa", "|triton-ref|"], rows))
         lines.append("\nb. paged decode: us (K+V bytes / time, share of the copy bandwidth)")
         names = ("step4_gather_sdpa", *DECODE_SPLITS)
         rows = []
         for p in model["decode"]:
-            cells = [f"{1e3 * p['median'][n]['ms']:.4g} ({100 * p['median'][n]['share_of_copy_bandwidth']:.0f}%)"
-                     if n in p["median"] else p["errors"].get(n) for n in names]
-            rows.append([p["num_seqs"], p["context"], p["auto_num_splits"], *cells,
-                         p["ratios"].get("step4/triton_auto", {}).get("median"),
-                         f"{max(p['max_abs_diff'].values()):.1e}"])
-        lines.append(harness.table(["seqs", "context", "auto splits", "step4", *(n.removeprefix("triton_") for n in
-                                                                                  DECODE_SPLITS),
-                                    "step4/auto", "max |diff|"], rows))
+            cells = [
+                f"{1e3 * p['median'][n]['ms']:.4g} ({100 * p['median'][n]['share_of_copy_bandwidth']:.0f}%)"
+                if n in p["median"]
+                else p["errors"].get(n)
+                for n in names
+            ]
+            rows.append(
+                [
+                    p["num_seqs"],
+                    p["context"],
+                    p["auto_num_splits"],
+                    *cells,
+                    p["ratios"].get("step4/triton_auto", {}).get("median"),
+                    f"{max(p['max_abs_diff'].values()):.1e}",
+                ]
+            )
+        lines.append(
+            harness.table(
+                [
+                    "seqs",
+                    "context",
+                    "auto splits",
+                    "step4",
+                    *(n.removeprefix("triton_") for n in DECODE_SPLITS),
+                    "step4/auto",
+                    "max |diff|",
+                ],
+                rows,
+            )
+        )
         lines.append("\nc. write_kv: us")
-        lines.append(harness.table(["tokens", "indexing", "triton", "indexing/triton", "pools equal"],
-                                   [[p["tokens"], 1e3 * p["median"]["indexing"]["ms"],
-                                     1e3 * p["median"]["triton_write_kv"]["ms"],
-                                     p["ratios"]["indexing/triton"]["median"], p["pools_equal"]]
-                                    for p in model["write_kv"]]))
+        lines.append(
+            harness.table(
+                ["tokens", "indexing", "triton", "indexing/triton", "pools equal"],
+                [
+                    [
+                        p["tokens"],
+                        1e3 * p["median"]["indexing"]["ms"],
+                        1e3 * p["median"]["triton_write_kv"]["ms"],
+                        p["ratios"]["indexing/triton"]["median"],
+                        p["pools_equal"],
+                    ]
+                    for p in model["write_kv"]
+                ],
+            )
+        )
         mem = model["memory"]
-        lines.append(f"\nd. KV memory model, {mem['dtype']}: {mem['bytes_per_block']} bytes per block of "
-                     f"{mem['block_size']} tokens ({mem['bytes_per_token']} per token), weights "
-                     f"{mem['weight_bytes'] / 2**20:.1f} MiB")
+        lines.append(
+            f"\nd. KV memory model, {mem['dtype']}: {mem['bytes_per_block']} bytes per block of "
+            f"{mem['block_size']} tokens ({mem['bytes_per_token']} per token), weights "
+            f"{mem['weight_bytes'] / 2**20:.1f} MiB"
+        )
         rows = []
         for p in mem["points"]:
             e, more = p.get("engine"), p.get("engine_one_more")
-            rows.append([f"{p['budget_bytes'] / 2**30:.3g}", p["sequence_tokens"], p["blocks"], p["sequences"],
-                         _mib(p["predicted_bytes"]), e and e["max_running"], e and e["num_preemptions"],
-                         more and f"{more['max_running']}, {more['num_preemptions']}",
-                         _mib(e and e["built_bytes"]), _mib(e and e["peak_bytes"])])
-        lines.append(harness.table(["budget GiB", "tokens", "blocks", "seqs", "predicted MiB", "ran at once",
-                                    "preempted", "one more: at once, preempted", "built MiB", "peak MiB"], rows))
+            rows.append(
+                [
+                    f"{p['budget_bytes'] / 2**30:.3g}",
+                    p["sequence_tokens"],
+                    p["blocks"],
+                    p["sequences"],
+                    _mib(p["predicted_bytes"]),
+                    e and e["max_running"],
+                    e and e["num_preemptions"],
+                    more and f"{more['max_running']}, {more['num_preemptions']}",
+                    _mib(e and e["built_bytes"]),
+                    _mib(e and e["peak_bytes"]),
+                ]
+            )
+        lines.append(
+            harness.table(
+                [
+                    "budget GiB",
+                    "tokens",
+                    "blocks",
+                    "seqs",
+                    "predicted MiB",
+                    "ran at once",
+                    "preempted",
+                    "one more: at once, preempted",
+                    "built MiB",
+                    "peak MiB",
+                ],
+                rows,
+            )
+        )
         if "device" in mem:
             d = mem["device"]
-            lines.append(f"the whole device: {d['kv_blocks_in_free_memory']} blocks in its free memory, sequences "
-                         + ", ".join(f"{n} of {L} tokens" for L, n in d["sequences_of_each_length"].items()))
+            lines.append(
+                f"the whole device: {d['kv_blocks_in_free_memory']} blocks in its free memory, sequences "
+                + ", ".join(f"{n} of {L} tokens" for L, n in d["sequences_of_each_length"].items())
+            )
         lines.append("\ntargets")
         lines.extend(harness.target_line(**t) for t in targets(model))
     return "\n".join(lines)
@@ -641,7 +883,13 @@ def plot(result: dict, path: Path) -> Path:
 
     models = result["models"]
     fig, axes = plt.subplots(2 * len(models), 3, figsize=(19, 10 * len(models)), squeeze=False)
-    colors = {"materialised": "C3", "sdpa": "C7", "triton_paged": "C2", "indexing": "C1", "triton_write_kv": "C2"}
+    colors = {
+        "materialised": "C3",
+        "sdpa": "C7",
+        "triton_paged": "C2",
+        "indexing": "C1",
+        "triton_write_kv": "C2",
+    }
     for i, (name, model) in enumerate(models.items()):
         top, bottom = axes[2 * i], axes[2 * i + 1]
         pre = model["prefill"]
@@ -651,14 +899,28 @@ def plot(result: dict, path: Path) -> Path:
             values = []
             for impl in ("materialised", "sdpa", "triton_paged"):
                 for B, style in zip(batches, ("-", "--")):
-                    pts = [p for p in pre if p["num_seqs"] == B and (p["median"].get(impl) or {}).get(key) is not None]
+                    pts = [
+                        p
+                        for p in pre
+                        if p["num_seqs"] == B and (p["median"].get(impl) or {}).get(key) is not None
+                    ]
                     ys = [(1 if key == "ms" else 2**-20) * p["median"][impl][key] for p in pts]
                     values += ys
                     if pts:
-                        ax.plot([p["T"] for p in pts], ys, marker="o", linestyle=style, color=colors[impl],
-                                label=f"{impl}, {B} seq{'s' if B > 1 else ''}")
-            ax.set(xscale="log", xlabel="T (tokens per sequence)", ylabel=ylabel,
-                   title=f"{name}: causal prefill, {'time' if key == 'ms' else 'peak memory added'}")
+                        ax.plot(
+                            [p["T"] for p in pts],
+                            ys,
+                            marker="o",
+                            linestyle=style,
+                            color=colors[impl],
+                            label=f"{impl}, {B} seq{'s' if B > 1 else ''}",
+                        )
+            ax.set(
+                xscale="log",
+                xlabel="T (tokens per sequence)",
+                ylabel=ylabel,
+                title=f"{name}: causal prefill, {'time' if key == 'ms' else 'peak memory added'}",
+            )
             if values:
                 ax.set_xticks(lens, [str(t) for t in lens])
                 ax.xaxis.set_minor_locator(ticker.NullLocator())
@@ -680,33 +942,65 @@ def plot(result: dict, path: Path) -> Path:
             ys = [pts[b]["sequences"] for b in budgets if b in pts]
             bars = ax.bar(xs, ys, width, color=f"C{j}", label=f"{length}-token sequences, predicted")
             ax.bar_label(bars, fontsize=7)
-            ran = [(x, pts[b]["engine"]["max_running"]) for x, b in zip(xs, [b for b in budgets if b in pts])
-                   if "engine" in pts[b]]
+            ran = [
+                (x, pts[b]["engine"]["max_running"])
+                for x, b in zip(xs, [b for b in budgets if b in pts])
+                if "engine" in pts[b]
+            ]
             if ran:
-                ax.plot(*zip(*ran), "kx", markersize=9, label="ran at once on step 5's engine" if j == 0 else None)
+                ax.plot(
+                    *zip(*ran), "kx", markersize=9, label="ran at once on step 5's engine" if j == 0 else None
+                )
         ax.set_xticks(range(len(budgets)), [f"{b / 2**30:g} GiB" for b in budgets])
-        ax.set(xlabel="KV-cache budget", ylabel="sequences at once",
-               title=f"{name}: KV memory model, {mem['dtype']}, {mem['bytes_per_token']} B/token")
+        ax.set(
+            xlabel="KV-cache budget",
+            ylabel="sequences at once",
+            title=f"{name}: KV memory model, {mem['dtype']}, {mem['bytes_per_token']} B/token",
+        )
         ax.legend(fontsize=7)
 
         dec = model["decode"]
         contexts = sorted({p["context"] for p in dec})
-        for ax, title in ((bottom[0], "step 4 / Triton (auto) time"), (bottom[1], "K+V bytes / time / copy bandwidth")):
+        for ax, title in (
+            (bottom[0], "step 4 / Triton (auto) time"),
+            (bottom[1], "K+V bytes / time / copy bandwidth"),
+        ):
             for k, S in enumerate(sorted({p["num_seqs"] for p in dec})):
                 pts = [p for p in dec if p["num_seqs"] == S]
                 xs = [p["context"] for p in pts]
                 if ax is bottom[0]:
-                    ax.plot(xs, [p["ratios"]["step4/triton_auto"]["median"] for p in pts], marker="o", color=f"C{k}",
-                            label=f"{S} seq{'s' if S > 1 else ''}")
+                    ax.plot(
+                        xs,
+                        [p["ratios"]["step4/triton_auto"]["median"] for p in pts],
+                        marker="o",
+                        color=f"C{k}",
+                        label=f"{S} seq{'s' if S > 1 else ''}",
+                    )
                 else:
                     for impl, style in (("triton_auto", "-"), ("step4_gather_sdpa", "--")):
-                        ax.plot(xs, [100 * p["median"][impl]["share_of_copy_bandwidth"] for p in pts], marker="o",
-                                linestyle=style, color=f"C{k}", label=f"{S} seq{'s' if S > 1 else ''}, {impl}")
+                        ax.plot(
+                            xs,
+                            [100 * p["median"][impl]["share_of_copy_bandwidth"] for p in pts],
+                            marker="o",
+                            linestyle=style,
+                            color=f"C{k}",
+                            label=f"{S} seq{'s' if S > 1 else ''}, {impl}",
+                        )
             target = 2 if ax is bottom[0] else 50
-            ax.axhline(target, color="k", linestyle=":", linewidth=1,
-                       label=f"target at 256 x 1024: {target}{'x' if ax is bottom[0] else '%'}")
-            ax.set(xscale="log", xlabel="context (tokens)", ylabel="x" if ax is bottom[0] else "%", ylim=(0, None),
-                   title=f"{name}: paged decode, {title}")
+            ax.axhline(
+                target,
+                color="k",
+                linestyle=":",
+                linewidth=1,
+                label=f"target at 256 x 1024: {target}{'x' if ax is bottom[0] else '%'}",
+            )
+            ax.set(
+                xscale="log",
+                xlabel="context (tokens)",
+                ylabel="x" if ax is bottom[0] else "%",
+                ylim=(0, None),
+                title=f"{name}: paged decode, {title}",
+            )
             ax.set_xticks(contexts, [str(c) for c in contexts])
             ax.xaxis.set_minor_locator(ticker.NullLocator())
             ax.legend(fontsize=7)
@@ -719,15 +1013,22 @@ def plot(result: dict, path: Path) -> Path:
             ys = [1e3 * p["median"][impl]["ms"] for p in wk]
             values += ys
             ax.plot([p["tokens"] for p in wk], ys, marker="o", color=colors[impl], label=impl)
-        ax.set(xscale="log", yscale="log", xlabel="new tokens written", ylabel="us",
-               title=f"{name}: KV cache write, one layer")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="new tokens written",
+            ylabel="us",
+            title=f"{name}: KV cache write, one layer",
+        )
         harness.log_axis(ax.xaxis)
         harness.log_axis(ax.yaxis, values)
         ax.legend(fontsize=7)
         ax.grid(which="major", alpha=0.3)
     m = result["machine"]
-    fig.suptitle(f"step 5's kernels vs PyTorch, {m['device']} ({m.get('gpu') or m['cpu']}"
-                 f"{', Triton interpreter' if m['triton_interpreter'] else ''}), {result['workload']['dtype']}, "
-                 f"median of {result['workload']['runs']} round(s)")
+    fig.suptitle(
+        f"step 5's kernels vs PyTorch, {m['device']} ({m.get('gpu') or m['cpu']}"
+        f"{', Triton interpreter' if m['triton_interpreter'] else ''}), {result['workload']['dtype']}, "
+        f"median of {result['workload']['runs']} round(s)"
+    )
     fig.tight_layout()
     return harness.save_figure(fig, path, dpi=90)

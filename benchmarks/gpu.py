@@ -63,28 +63,60 @@ NAME = "gpu"
 DEFAULT_MODELS = ["gpt2-124m-random"]
 DEFAULT_RUNS = 3
 BATCH_SIZES = [1, 8, 64, 256]
-WORKLOADS = {"short": {"prompt_tokens": 32, "max_tokens": 128}, "long": {"prompt_tokens": 512, "max_tokens": 256}}
+WORKLOADS = {
+    "short": {"prompt_tokens": 32, "max_tokens": 128},
+    "long": {"prompt_tokens": 512, "max_tokens": 256},
+}
 ENGINE_NAMES = ("hf", "step2", "step3", "step4", "step5")
 # dtype -> workload -> the engines that run it (step5 where its package exists). A whole run takes about 18
 # minutes on an H200; `--dtype` runs one dtype's part (6 to 7 minutes) and merges it into the recorded JSON.
-MATRIX = {dtype: {"short": ENGINE_NAMES, "long": ENGINE_NAMES} for dtype in ("float16", "float32", "bfloat16")}
-STEP_PACKAGES = {"step2": "step2_kvcache", "step3": "step3_static_batch", "step4": "step4_paged_continuous",
-                 "step5": "step5_flash_gpu"}
+MATRIX = {
+    dtype: {"short": ENGINE_NAMES, "long": ENGINE_NAMES} for dtype in ("float16", "float32", "bfloat16")
+}
+STEP_PACKAGES = {
+    "step2": "step2_kvcache",
+    "step3": "step3_static_batch",
+    "step4": "step4_paged_continuous",
+    "step5": "step5_flash_gpu",
+}
 STEP2_MAX_BATCH = 1  # step 2 serves one request at a time: it runs at B = 1 only
 BLOCK_SIZE = 16
 TOKEN_ID_SEED = 3000
-PROFILE = {"engines": ("step4", "step5"), "dtype": "float16", "batch_size": 256, "workload": "short", "steps": 64,
-           "top": 25}
+PROFILE = {
+    "engines": ("step4", "step5"),
+    "dtype": "float16",
+    "batch_size": 256,
+    "workload": "short",
+    "steps": 64,
+    "top": 25,
+}
 # The dtype study (issue 11, 5c): greedy agreement of a low-precision engine with its fp32 self, on the trained demo
 # checkpoint (random weights have near-ties everywhere); speed per dtype is in the matrix's points.
-DTYPE_STUDY = {"engine": "step5", "model": "demo", "reference": "float32", "dtypes": ("float16", "bfloat16"),
-               "prompts": 16, "prompt_tokens": 32, "max_tokens": 128, "top": 5}
+DTYPE_STUDY = {
+    "engine": "step5",
+    "model": "demo",
+    "reference": "float32",
+    "dtypes": ("float16", "bfloat16"),
+    "prompts": 16,
+    "prompt_tokens": 32,
+    "max_tokens": 128,
+    "top": 5,
+}
 QUICK = {
     "batch_sizes": [1, 4],
-    "workloads": {"short": {"prompt_tokens": 8, "max_tokens": 8}, "long": {"prompt_tokens": 32, "max_tokens": 16}},
+    "workloads": {
+        "short": {"prompt_tokens": 8, "max_tokens": 8},
+        "long": {"prompt_tokens": 32, "max_tokens": 16},
+    },
     "matrix": {"float32": {"short": ENGINE_NAMES, "long": ENGINE_NAMES}},
     "profile": {**PROFILE, "dtype": "float32", "batch_size": 4, "steps": 8},
-    "dtype_study": {**DTYPE_STUDY, "dtypes": ("bfloat16",), "prompts": 2, "prompt_tokens": 8, "max_tokens": 8},
+    "dtype_study": {
+        **DTYPE_STUDY,
+        "dtypes": ("bfloat16",),
+        "prompts": 2,
+        "prompt_tokens": 8,
+        "max_tokens": 8,
+    },
 }
 CONFIG_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "head_dim")
 ENGINES = {
@@ -98,16 +130,22 @@ ENGINES = {
 }
 
 
-def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False,
-         dtypes: list[str] | None = None) -> dict:
+def main(
+    models: list[str] | None = None,
+    device: str = "cpu",
+    runs: int = DEFAULT_RUNS,
+    quick: bool = False,
+    dtypes: list[str] | None = None,
+) -> dict:
     """The CLI entry (``python -m benchmarks gpu --device cuda``): the full or quick workloads on each model.
 
     dtypes (``--dtype``, repeatable): run only these dtypes' points and merge them into the recorded JSON,
     where they replace that dtype's earlier points (see ``run``'s merge); the profiles and the dtype study
     run with float16. Raises ValueError for a dtype the matrix lacks.
     """
-    matrix, profile, study = (QUICK["matrix"], QUICK["profile"], QUICK["dtype_study"]) if quick else \
-        (MATRIX, PROFILE, DTYPE_STUDY)
+    matrix, profile, study = (
+        (QUICK["matrix"], QUICK["profile"], QUICK["dtype_study"]) if quick else (MATRIX, PROFILE, DTYPE_STUDY)
+    )
     if dtypes:
         unknown = sorted(set(dtypes) - set(matrix))
         if unknown:
@@ -117,11 +155,27 @@ def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAU
         profile = profile if profile["dtype"] in matrix else None
         study = study if "float16" in dtypes else None
     if quick:
-        return run(models or DEFAULT_MODELS, device, runs=1, batch_sizes=QUICK["batch_sizes"],
-                   lengths=QUICK["workloads"], matrix=matrix, profile=profile, dtype_study=study, quick=True,
-                   merge=bool(dtypes))
-    return run(models or DEFAULT_MODELS, device, runs=runs, matrix=matrix, profile=profile, dtype_study=study,
-               merge=bool(dtypes))
+        return run(
+            models or DEFAULT_MODELS,
+            device,
+            runs=1,
+            batch_sizes=QUICK["batch_sizes"],
+            lengths=QUICK["workloads"],
+            matrix=matrix,
+            profile=profile,
+            dtype_study=study,
+            quick=True,
+            merge=bool(dtypes),
+        )
+    return run(
+        models or DEFAULT_MODELS,
+        device,
+        runs=runs,
+        matrix=matrix,
+        profile=profile,
+        dtype_study=study,
+        merge=bool(dtypes),
+    )
 
 
 def run(
@@ -150,18 +204,29 @@ def run(
     started = time.perf_counter()
     result = {
         "benchmark": NAME,
-        "machine": {**harness.machine_info(device, ", ".join(matrix)),
-                    "copy_bandwidth_bytes_per_s": harness.copy_bandwidth(device),
-                    "sdpa_backends_enabled": {b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")()
-                                              for b in ("cudnn", "flash", "mem_efficient", "math")}},
+        "machine": {
+            **harness.machine_info(device, ", ".join(matrix)),
+            "copy_bandwidth_bytes_per_s": harness.copy_bandwidth(device),
+            "sdpa_backends_enabled": {
+                b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")()
+                for b in ("cudnn", "flash", "mem_efficient", "math")
+            },
+        },
         "workload": {
             "sampling": "greedy (temperature 0), ignore_eos: every request generates exactly max_tokens",
             "batch_sizes": batch_sizes,
-            "workloads": {name: {**w, "requests": "B per point, all submitted at once; prompt ids: "
-                                 f"torch.Generator().manual_seed({TOKEN_ID_SEED} + i), uniform in [0, vocab_size - 1)"}
-                          for name, w in lengths.items()},
-            "matrix": {dtype: {wname: list(engines) for wname, engines in by_workload.items()}
-                       for dtype, by_workload in matrix.items()},
+            "workloads": {
+                name: {
+                    **w,
+                    "requests": "B per point, all submitted at once; prompt ids: "
+                    f"torch.Generator().manual_seed({TOKEN_ID_SEED} + i), uniform in [0, vocab_size - 1)",
+                }
+                for name, w in lengths.items()
+            },
+            "matrix": {
+                dtype: {wname: list(engines) for wname, engines in by_workload.items()}
+                for dtype, by_workload in matrix.items()
+            },
             "step2_max_batch": STEP2_MAX_BATCH,
             "runs": runs,
             "warmup": "before each point, every engine once on the same requests, untimed: every shape of the point "
@@ -180,8 +245,16 @@ def run(
     }
 
     def run(name: str) -> dict:
-        return bench_model(name, device, runs, batch_sizes, lengths, matrix, profile,
-                           result["machine"]["copy_bandwidth_bytes_per_s"])
+        return bench_model(
+            name,
+            device,
+            runs,
+            batch_sizes,
+            lengths,
+            matrix,
+            profile,
+            result["machine"]["copy_bandwidth_bytes_per_s"],
+        )
 
     harness.run_models(result, models, run)
     if dtype_study:
@@ -201,13 +274,20 @@ def merge_into(old: dict, new: dict) -> dict:
     ran = set(new["workload"]["matrix"])
     kept = {p["dtype"] for model in old["models"].values() for p in model["points"]} - ran
     out = {**new, "models": {**old["models"], **new["models"]}}
-    out["workload"] = {**new["workload"], "matrix": {**{d: w for d, w in old["workload"]["matrix"].items()
-                                                        if d in kept}, **new["workload"]["matrix"]}}
+    out["workload"] = {
+        **new["workload"],
+        "matrix": {
+            **{d: w for d, w in old["workload"]["matrix"].items() if d in kept},
+            **new["workload"]["matrix"],
+        },
+    }
     for name, model in new["models"].items():
         before = old["models"].get(name, {})
-        out["models"][name] = {**model,
-                               "points": [p for p in before.get("points", []) if p["dtype"] in kept] + model["points"],
-                               "profiles": model["profiles"] or before.get("profiles", {})}
+        out["models"][name] = {
+            **model,
+            "points": [p for p in before.get("points", []) if p["dtype"] in kept] + model["points"],
+            "profiles": model["profiles"] or before.get("profiles", {}),
+        }
     if "dtype_study" not in new and "dtype_study" in old:
         out["dtype_study"] = old["dtype_study"]
         out["workload"]["dtype_study"] = old["workload"].get("dtype_study")
@@ -215,8 +295,14 @@ def merge_into(old: dict, new: dict) -> dict:
         out["workload"]["profile"] = old["workload"].get("profile")
     earlier = [{**r, "dtypes": [d for d in r["dtypes"] if d in kept]} for r in old.get("earlier_runs", [])]
     from_old = sorted(kept - {d for r in earlier for d in r["dtypes"]})  # the old run's own points still kept
-    earlier.append({"dtypes": from_old, "machine": old["machine"], "runs": old["workload"]["runs"],
-                    "elapsed_s": old.get("elapsed_s")})
+    earlier.append(
+        {
+            "dtypes": from_old,
+            "machine": old["machine"],
+            "runs": old["workload"]["runs"],
+            "elapsed_s": old.get("elapsed_s"),
+        }
+    )
     out["earlier_runs"] = [r for r in earlier if r["dtypes"]]
     return out
 
@@ -232,8 +318,16 @@ def step_modules() -> tuple[dict[str, object], dict[str, str]]:
     return modules, skipped
 
 
-def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], lengths: dict[str, dict],
-                matrix: dict[str, dict[str, tuple[str, ...]]], profile: dict | None, bandwidth: float) -> dict:
+def bench_model(
+    name: str,
+    device: str,
+    runs: int,
+    batch_sizes: list[int],
+    lengths: dict[str, dict],
+    matrix: dict[str, dict[str, tuple[str, ...]]],
+    profile: dict | None,
+    bandwidth: float,
+) -> dict:
     """Every point on one model: every run's figures, their medians, the ratios, the floor, the profile."""
     import transformers
 
@@ -245,46 +339,85 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], lengt
         parameters = sum(p.numel() for p in transformers.GPT2LMHeadModel(hf_config).parameters())
     longest = max(w["prompt_tokens"] + w["max_tokens"] for w in lengths.values())
     blocks_per_seq = -(-longest // BLOCK_SIZE)
-    out = {"snapshot": str(folder), "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
-           "parameters": parameters, "skipped": skipped, "points": [], "profiles": {}}
+    out = {
+        "snapshot": str(folder),
+        "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
+        "parameters": parameters,
+        "skipped": skipped,
+        "points": [],
+        "profiles": {},
+    }
 
     for dtype, by_workload in matrix.items():
         engines = {e for wanted in by_workload.values() for e in wanted if e == "hf" or e in modules}
         item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         hf = hf_model(folder, device, dtype) if "hf" in engines else None
-        step2 = modules["step2"].LLM(model=str(folder), device=device, dtype=dtype) if "step2" in engines else None
+        step2 = (
+            modules["step2"].LLM(model=str(folder), device=device, dtype=dtype)
+            if "step2" in engines
+            else None
+        )
         for b in batch_sizes:
             llms = {"step2": step2} if step2 is not None and b <= STEP2_MAX_BATCH else {}
             if "step3" in engines:
-                llms["step3"] = modules["step3"].LLM(model=str(folder), device=device, dtype=dtype, max_batch_size=b)
+                llms["step3"] = modules["step3"].LLM(
+                    model=str(folder), device=device, dtype=dtype, max_batch_size=b
+                )
             for e in ("step4", "step5"):
                 if e in engines:
-                    llms[e] = modules[e].LLM(model=str(folder), device=device, dtype=dtype, block_size=BLOCK_SIZE,
-                                             max_num_seqs=b, num_kv_blocks=b * blocks_per_seq)
+                    llms[e] = modules[e].LLM(
+                        model=str(folder),
+                        device=device,
+                        dtype=dtype,
+                        block_size=BLOCK_SIZE,
+                        max_num_seqs=b,
+                        num_kv_blocks=b * blocks_per_seq,
+                    )
             for wname, wanted in by_workload.items():
                 w = lengths[wname]
-                print(f"  {dtype}, B = {b}, {wname}: {w['prompt_tokens']} + {w['max_tokens']} tokens", end="", flush=True)
+                print(
+                    f"  {dtype}, B = {b}, {wname}: {w['prompt_tokens']} + {w['max_tokens']} tokens",
+                    end="",
+                    flush=True,
+                )
                 equal = workloads.equal(b, w["prompt_tokens"], w["max_tokens"], TOKEN_ID_SEED)
                 reqs = workloads.requests(equal, config.vocab_size, config.n_positions)
                 point_started = time.perf_counter()
-                point = measure(hf if "hf" in wanted else None, {e: llm for e, llm in llms.items() if e in wanted},
-                                modules, reqs, b, runs, device)
-                print(": " + ", ".join(f"{e} {m['throughput_tok_s']:.0f}" for e, m in point["median"].items())
-                      + f" tok/s ({time.perf_counter() - point_started:.1f} s)", flush=True)
+                point = measure(
+                    hf if "hf" in wanted else None,
+                    {e: llm for e, llm in llms.items() if e in wanted},
+                    modules,
+                    reqs,
+                    b,
+                    runs,
+                    device,
+                )
+                print(
+                    ": "
+                    + ", ".join(f"{e} {m['throughput_tok_s']:.0f}" for e, m in point["median"].items())
+                    + f" tok/s ({time.perf_counter() - point_started:.1f} s)",
+                    flush=True,
+                )
                 floor = memory_floor(parameters, config, item, b, w, bandwidth)
                 for e, m in point["median"].items():
                     m["share_of_memory_floor"] = m["throughput_tok_s"] / floor["throughput_tok_s"]
-                out["points"].append({"workload": wname, "dtype": dtype, "batch_size": b, **point,
-                                      "memory_floor": floor})
-            for e in profile["engines"] if profile and (dtype, b) == (profile["dtype"], profile["batch_size"]) else ():
+                out["points"].append(
+                    {"workload": wname, "dtype": dtype, "batch_size": b, **point, "memory_floor": floor}
+                )
+            for e in (
+                profile["engines"]
+                if profile and (dtype, b) == (profile["dtype"], profile["batch_size"])
+                else ()
+            ):
                 if e not in llms:
                     continue
                 w = lengths[profile["workload"]]
                 equal = workloads.equal(b, w["prompt_tokens"], w["max_tokens"], TOKEN_ID_SEED)
                 print(f"  profile: {e}, {profile['steps']} steps", flush=True)
                 reqs = workloads.requests(equal, config.vocab_size)
-                out["profiles"][e] = profile_engine(llms[e].engine, modules[e], reqs, profile["steps"], profile["top"],
-                                                    device)
+                out["profiles"][e] = profile_engine(
+                    llms[e].engine, modules[e], reqs, profile["steps"], profile["top"], device
+                )
             del llms
             harness.free(device)
         del hf, step2
@@ -292,7 +425,9 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], lengt
     return out
 
 
-def measure(hf, llms: dict, modules: dict, reqs: list[workloads.Request], b: int, runs: int, device: str) -> dict:
+def measure(
+    hf, llms: dict, modules: dict, reqs: list[workloads.Request], b: int, runs: int, device: str
+) -> dict:
     """One point: the engines (``hf`` if given, and ``llms``: step name -> its ``LLM``) each run once on the
     requests untimed, then alternated over ``runs`` runs."""
     calls = {"hf": lambda: hf_figures(serving.run_hf(hf, reqs, b, device))} if hf is not None else {}
@@ -306,8 +441,13 @@ def measure(hf, llms: dict, modules: dict, reqs: list[workloads.Request], b: int
 
 def figures(wall_s: float, generated: list[int]) -> dict:
     """One run's figures from its wall time and the tokens each request generated."""
-    return {"wall_s": wall_s, "requests": len(generated), "generated_tokens": sum(generated),
-            "throughput_tok_s": sum(generated) / wall_s, "ms_per_token": 1e3 * wall_s / max(generated)}
+    return {
+        "wall_s": wall_s,
+        "requests": len(generated),
+        "generated_tokens": sum(generated),
+        "throughput_tok_s": sum(generated) / wall_s,
+        "ms_per_token": 1e3 * wall_s / max(generated),
+    }
 
 
 def hf_figures(run: dict) -> dict:
@@ -323,16 +463,29 @@ def time_generate(llm, module, reqs: list[workloads.Request], device: str) -> di
     return figures(wall, [len(out.outputs[0].token_ids) for out in outs])
 
 
-def memory_floor(parameters: int, config, element_size: int, b: int, workload: dict, bandwidth: float) -> dict:
+def memory_floor(
+    parameters: int, config, element_size: int, b: int, workload: dict, bandwidth: float
+) -> dict:
     """The least time a decode step of ``b`` requests can take on this memory: it reads every weight once
     and each request's KV cache at the workload's mean context (prompt + max_tokens / 2), bytes moved over
     the measured copy bandwidth (bytes / s). Returns the bytes per step, and the throughput (tok/s) and
     ms per token that this allows."""
     weight_bytes = parameters * element_size
-    kv_bytes = 2 * config.n_layer * config.n_embd * element_size * (workload["prompt_tokens"] + workload["max_tokens"] / 2)
+    kv_bytes = (
+        2
+        * config.n_layer
+        * config.n_embd
+        * element_size
+        * (workload["prompt_tokens"] + workload["max_tokens"] / 2)
+    )
     step_s = (weight_bytes + b * kv_bytes) / bandwidth
-    return {"bytes_per_step": weight_bytes + b * kv_bytes, "weight_bytes": weight_bytes,
-            "kv_bytes_per_request": kv_bytes, "throughput_tok_s": b / step_s, "ms_per_token": 1e3 * step_s}
+    return {
+        "bytes_per_step": weight_bytes + b * kv_bytes,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_request": kv_bytes,
+        "throughput_tok_s": b / step_s,
+        "ms_per_token": 1e3 * step_s,
+    }
 
 
 def profile_engine(engine, module, reqs: list[workloads.Request], steps: int, top: int, device: str) -> dict:
@@ -341,7 +494,9 @@ def profile_engine(engine, module, reqs: list[workloads.Request], steps: int, to
     synchronised at the end. The requests left are aborted afterwards. Returns the steps, the wall time
     under the profiler (inflated by it), and the ``top`` functions by own time and by cumulative time."""
     for i, r in enumerate(reqs):
-        params = dataclasses.replace(serving.params_for(module, r), output_kind=module.RequestOutputKind.FINAL_ONLY)
+        params = dataclasses.replace(
+            serving.params_for(module, r), output_kind=module.RequestOutputKind.FINAL_ONLY
+        )
         engine.add_request(f"profile-{i}", r.prompt_token_ids, params)
     profiler = cProfile.Profile()
     done = 0
@@ -369,11 +524,24 @@ def profile_engine(engine, module, reqs: list[workloads.Request], steps: int, to
     }
 
 
-DTYPE_STUDY_PROMPTS = ["The Python interpreter", "A list comprehension is a concise way to", "Exceptions are raised",
-                      "def fibonacci(n):", "The standard library", "In Python, a dictionary", "Generators are",
-                      "import os", "Classes bundle data and", "The with statement", "A decorator is a function that",
-                      "Strings are immutable", "The global interpreter lock", "for i in range(10):",
-                      "Type hints", "Virtual environments"]
+DTYPE_STUDY_PROMPTS = [
+    "The Python interpreter",
+    "A list comprehension is a concise way to",
+    "Exceptions are raised",
+    "def fibonacci(n):",
+    "The standard library",
+    "In Python, a dictionary",
+    "Generators are",
+    "import os",
+    "Classes bundle data and",
+    "The with statement",
+    "A decorator is a function that",
+    "Strings are immutable",
+    "The global interpreter lock",
+    "for i in range(10):",
+    "Type hints",
+    "Virtual environments",
+]
 
 
 def run_dtype_study(spec: dict, device: str) -> dict:
@@ -392,16 +560,25 @@ def run_dtype_study(spec: dict, device: str) -> dict:
     prompts = []
     for i in range(spec["prompts"]):
         ids = tok.encode(DTYPE_STUDY_PROMPTS[i % len(DTYPE_STUDY_PROMPTS)])
-        filler = tok.encode(" " + DTYPE_STUDY_PROMPTS[(i + 1) % len(DTYPE_STUDY_PROMPTS)]) * spec["prompt_tokens"]
+        filler = (
+            tok.encode(" " + DTYPE_STUDY_PROMPTS[(i + 1) % len(DTYPE_STUDY_PROMPTS)]) * spec["prompt_tokens"]
+        )
         prompts.append((ids + filler)[: spec["prompt_tokens"]])
-    ref_ids = [o.outputs[0].token_ids for o in reference.generate(prompt_token_ids=prompts, sampling_params=params)]
+    ref_ids = [
+        o.outputs[0].token_ids for o in reference.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
     del reference
     oracle = step0.GPT.from_pretrained(str(folder), device=device)  # fp32
-    out = {"prompt_token_ids_source": "DTYPE_STUDY_PROMPTS, each followed by the next one repeated, cut to "
-           "prompt_tokens", "dtypes": {}}
+    out = {
+        "prompt_token_ids_source": "DTYPE_STUDY_PROMPTS, each followed by the next one repeated, cut to "
+        "prompt_tokens",
+        "dtypes": {},
+    }
     for dtype in spec["dtypes"]:
         llm = module.LLM(model=str(folder), device=device, dtype=dtype)
-        low_ids = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        low_ids = [
+            o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        ]
         del llm
         low_oracle = step0.GPT.from_pretrained(str(folder), device=device, dtype=getattr(torch, dtype))
         firsts, holds = [], 0
@@ -416,11 +593,15 @@ def run_dtype_study(spec: dict, device: str) -> dict:
                 low_top = low_oracle(ids)[0, -1].topk(spec["top"]).indices.tolist()
             holds += b[i] in ref_top and a[i] in low_top
         firsts.sort()
-        out["dtypes"][dtype] = {"prompts": len(prompts), "identical": len(prompts) - len(firsts),
-                                "diverged": len(firsts), "first_divergence": firsts,
-                                "first_divergence_min": firsts[0] if firsts else None,
-                                "first_divergence_median": firsts[len(firsts) // 2] if firsts else None,
-                                "tier_holds": holds}
+        out["dtypes"][dtype] = {
+            "prompts": len(prompts),
+            "identical": len(prompts) - len(firsts),
+            "diverged": len(firsts),
+            "first_divergence": firsts,
+            "first_divergence_min": firsts[0] if firsts else None,
+            "first_divergence_median": firsts[len(firsts) // 2] if firsts else None,
+            "tier_holds": holds,
+        }
         del low_oracle
         harness.free(device)
     return out
@@ -434,8 +615,15 @@ def top_functions(profiler: cProfile.Profile, key: str, n: int) -> list[dict]:
     rows = []
     for (file, line, func), (primitive, calls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
         file = file.removeprefix(root).split("site-packages/")[-1]
-        rows.append({"function": f"{file}:{line}({func})" if line else func, "calls": calls,
-                     "primitive_calls": primitive, "tottime_s": tottime, "cumtime_s": cumtime})
+        rows.append(
+            {
+                "function": f"{file}:{line}({func})" if line else func,
+                "calls": calls,
+                "primitive_calls": primitive,
+                "tottime_s": tottime,
+                "cumtime_s": cumtime,
+            }
+        )
     return sorted(rows, key=lambda r: r[f"{key}_s"], reverse=True)[:n]
 
 
@@ -444,13 +632,17 @@ def report(result: dict) -> str:
     at B = 1 and tok/s at every B; then the profile's top functions."""
     lines = []
     machine, w = result["machine"], result["workload"]
-    lines.append(f"gpu on {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
-                 f"transformers {machine['transformers']}, copy bandwidth "
-                 f"{machine['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {w['runs']} run(s), medians")
+    lines.append(
+        f"gpu on {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
+        f"transformers {machine['transformers']}, copy bandwidth "
+        f"{machine['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, {w['runs']} run(s), medians"
+    )
     for r in result.get("earlier_runs", []):
         m = r["machine"]
-        lines.append(f"  {', '.join(r['dtypes'])}: from an earlier run ({m['date']}, {m.get('gpu') or m['cpu']}, "
-                     f"torch {m['torch']}, {r['runs']} run(s))")
+        lines.append(
+            f"  {', '.join(r['dtypes'])}: from an earlier run ({m['date']}, {m.get('gpu') or m['cpu']}, "
+            f"torch {m['torch']}, {r['runs']} run(s))"
+        )
     for name, model in result["models"].items():
         lines.append(f"\n## {name}: {model['parameters'] / 1e6:.1f}M parameters")
         for engine, why in model["skipped"].items():
@@ -458,41 +650,79 @@ def report(result: dict) -> str:
         for (wname, dtype), points in panels(model).items():
             wl = w["workloads"][wname]
             sizes = [p["batch_size"] for p in points]
-            lines.append(f"\n{wname} ({wl['prompt_tokens']} + {wl['max_tokens']} tokens), {dtype}: ms/token at B = 1, "
-                         "tok/s at each B (share of the memory floor at the largest B)")
+            lines.append(
+                f"\n{wname} ({wl['prompt_tokens']} + {wl['max_tokens']} tokens), {dtype}: ms/token at B = 1, "
+                "tok/s at each B (share of the memory floor at the largest B)"
+            )
             rows = []
             for engine in engines_of(points):
                 by_b = {p["batch_size"]: p["median"].get(engine) for p in points}
                 one = by_b.get(1)
                 last = next((by_b[b] for b in reversed(sizes) if by_b[b]), None)
-                rows.append([engine, one and one["ms_per_token"],
-                             *[by_b[b] and by_b[b]["throughput_tok_s"] for b in sizes],
-                             f"{100 * last['share_of_memory_floor']:.0f}%" if last else None])
+                rows.append(
+                    [
+                        engine,
+                        one and one["ms_per_token"],
+                        *[by_b[b] and by_b[b]["throughput_tok_s"] for b in sizes],
+                        f"{100 * last['share_of_memory_floor']:.0f}%" if last else None,
+                    ]
+                )
             floor = [p["memory_floor"] for p in points]
-            rows.append(["memory floor", floor[0]["ms_per_token"] if sizes[0] == 1 else None,
-                         *[f["throughput_tok_s"] for f in floor], None])
-            lines.append(harness.table(["engine", "ms/token B=1", *[f"tok/s B={b}" for b in sizes], "of floor"], rows))
+            rows.append(
+                [
+                    "memory floor",
+                    floor[0]["ms_per_token"] if sizes[0] == 1 else None,
+                    *[f["throughput_tok_s"] for f in floor],
+                    None,
+                ]
+            )
+            lines.append(
+                harness.table(["engine", "ms/token B=1", *[f"tok/s B={b}" for b in sizes], "of floor"], rows)
+            )
             ratios = points[-1]["ratios"]
             if ratios:
-                lines.append(f"throughput at B = {sizes[-1]}, medians of per-run ratios: "
-                             + ", ".join(f"{label} {r['median']:.2f}x" for label, r in ratios.items()))
+                lines.append(
+                    f"throughput at B = {sizes[-1]}, medians of per-run ratios: "
+                    + ", ".join(f"{label} {r['median']:.2f}x" for label, r in ratios.items())
+                )
         for engine, prof in model.get("profiles", {}).items():
             p = w["profile"]
-            lines.append(f"\nprofile: {engine}, {p['dtype']}, B = {prof['requests']}, {prof['steps']} steps of "
-                         f"{p['workload']} ({prof['wall_s_profiled']:.2f} s under cProfile), top 10 by own time")
-            lines.append(harness.table(["function", "calls", "tottime s", "cumtime s"],
-                                       [[r["function"][-70:], r["calls"], r["tottime_s"], r["cumtime_s"]]
-                                        for r in prof["top_tottime"][:10]]))
+            lines.append(
+                f"\nprofile: {engine}, {p['dtype']}, B = {prof['requests']}, {prof['steps']} steps of "
+                f"{p['workload']} ({prof['wall_s_profiled']:.2f} s under cProfile), top 10 by own time"
+            )
+            lines.append(
+                harness.table(
+                    ["function", "calls", "tottime s", "cumtime s"],
+                    [
+                        [r["function"][-70:], r["calls"], r["tottime_s"], r["cumtime_s"]]
+                        for r in prof["top_tottime"][:10]
+                    ],
+                )
+            )
     study = result.get("dtype_study")
     if study:
         s = w["dtype_study"]
-        lines.append(f"\ndtype study: {s['engine']} on {s['model']}, {s['prompts']} prompts x {s['max_tokens']} greedy "
-                     f"tokens against {s['reference']}")
-        lines.append(harness.table(
-            ["dtype", "identical", "first divergence (median, min)", f"top-{s['top']} tier holds"],
-            [[d, f"{r['identical']}/{r['prompts']}", f"{r['first_divergence_median']}, {r['first_divergence_min']}"
-              if r["diverged"] else "-",
-              f"{r['tier_holds']}/{r['diverged']}" if r["diverged"] else "-"] for d, r in study["dtypes"].items()]))
+        lines.append(
+            f"\ndtype study: {s['engine']} on {s['model']}, {s['prompts']} prompts x {s['max_tokens']} greedy "
+            f"tokens against {s['reference']}"
+        )
+        lines.append(
+            harness.table(
+                ["dtype", "identical", "first divergence (median, min)", f"top-{s['top']} tier holds"],
+                [
+                    [
+                        d,
+                        f"{r['identical']}/{r['prompts']}",
+                        f"{r['first_divergence_median']}, {r['first_divergence_min']}"
+                        if r["diverged"]
+                        else "-",
+                        f"{r['tier_holds']}/{r['diverged']}" if r["diverged"] else "-",
+                    ]
+                    for d, r in study["dtypes"].items()
+                ],
+            )
+        )
     return "\n".join(lines)
 
 
@@ -519,11 +749,15 @@ def plot(result: dict, path: Path) -> Path:
     from matplotlib import ticker
 
     colors = {"hf": "C7", "step2": "C0", "step3": "C1", "step4": "C2", "step5": "C3"}
-    grid = [(name, key, points) for name, model in result["models"].items() for key, points in panels(model).items()]
+    grid = [
+        (name, key, points)
+        for name, model in result["models"].items()
+        for key, points in panels(model).items()
+    ]
     ncols = min(3, len(grid))
     nrows = -(-len(grid) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.6 * nrows), squeeze=False)
-    for ax in axes.flat[len(grid):]:
+    for ax in axes.flat[len(grid) :]:
         ax.set_axis_off()
     for ax, (name, (wname, dtype), points) in zip(axes.flat, grid):
         values = []
@@ -536,19 +770,36 @@ def plot(result: dict, path: Path) -> Path:
             ax.plot([p["batch_size"] for p in pts], ys, marker="o", label=label, color=colors[engine])
         sizes = [p["batch_size"] for p in points]
         floor = [p["memory_floor"]["throughput_tok_s"] for p in points]
-        ax.plot(sizes, floor, linestyle="--", color="k", linewidth=1, label="memory floor (bytes / copy bandwidth)")
+        ax.plot(
+            sizes,
+            floor,
+            linestyle="--",
+            color="k",
+            linewidth=1,
+            label="memory floor (bytes / copy bandwidth)",
+        )
         wl = result["workload"]["workloads"][wname]
-        ax.set(xscale="log", yscale="log", xlabel="B (requests at once)", ylabel="generated tokens / s",
-               title=f"{name}: {wname}, {wl['prompt_tokens']} + {wl['max_tokens']} tokens, {dtype}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="B (requests at once)",
+            ylabel="generated tokens / s",
+            title=f"{name}: {wname}, {wl['prompt_tokens']} + {wl['max_tokens']} tokens, {dtype}",
+        )
         ax.set_xticks(sizes, [str(b) for b in sizes])
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         harness.log_axis(ax.yaxis, values + floor)
         ax.grid(which="major", alpha=0.3)
         ax.legend(fontsize=8)
     machine = result["machine"]
-    runs = "" if not result.get("earlier_runs") else ("; each dtype's panels from one run: "
-                                                       "compare engines within a panel, not across dtypes")
-    fig.suptitle(f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
-                 f"median of {result['workload']['runs']} run(s){runs}")
+    runs = (
+        ""
+        if not result.get("earlier_runs")
+        else ("; each dtype's panels from one run: compare engines within a panel, not across dtypes")
+    )
+    fig.suptitle(
+        f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
+        f"median of {result['workload']['runs']} run(s){runs}"
+    )
     fig.tight_layout()
     return harness.save_figure(fig, path)

@@ -38,10 +38,14 @@ def machine_info(device: str, dtype: str) -> dict:
     info = {
         "cpu": _cpu_model(),
         "cpu_cores": os.cpu_count(),
-        "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_cores_usable": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
-        "gpu": torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None,
+        "gpu": torch.cuda.get_device_name(torch.device(device))
+        if torch.device(device).type == "cuda"
+        else None,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -52,8 +56,11 @@ def machine_info(device: str, dtype: str) -> dict:
     }
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(torch.device(device))
-        info |= {"cuda": torch.version.cuda, "gpu_memory_bytes": props.total_memory,
-                 "gpu_multiprocessors": props.multi_processor_count}
+        info |= {
+            "cuda": torch.version.cuda,
+            "gpu_memory_bytes": props.total_memory,
+            "gpu_multiprocessors": props.multi_processor_count,
+        }
     return info
 
 
@@ -70,8 +77,13 @@ def _cpu_model() -> str:
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
         return (out.stdout.strip() or None) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -120,7 +132,7 @@ def alternate(
             engines[name]()
     results: dict[str, list[dict]] = {name: [] for name in names}
     for i in range(runs):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             if i < (runs_of or {}).get(name, runs):
                 results[name].append(engines[name]())
     return results
@@ -145,6 +157,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def medians(runs: list[dict]) -> dict:
     """Per figure, the median over runs, for every figure that is a number in all runs."""
+
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -250,6 +263,7 @@ def replot(
 
 def table(headers: list[str], rows: list[list]) -> str:
     """A plain-text table, right-aligned columns; None shows as "-", floats with 3 significant digits."""
+
     def cell(v) -> str:
         if v is None:
             return "-"
@@ -290,7 +304,10 @@ def log_axis(axis, values: Sequence[float] | None = None) -> None:
     narrow = values is not None and max(values) / min(values) < 10
     subs = (1.0, 2.0, 3.0, 5.0, 7.0) if narrow else (1.0, 2.0, 5.0)
     axis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
-    axis.set_major_formatter(ticker.FuncFormatter(
-        lambda v, _: f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k" if v >= 1e4 else f"{v:g}"))
+    axis.set_major_formatter(
+        ticker.FuncFormatter(
+            lambda v, _: f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k" if v >= 1e4 else f"{v:g}"
+        )
+    )
     axis.set_minor_locator(ticker.LogLocator(base=10, subs=[s for s in range(2, 10) if s not in subs]))
     axis.set_minor_formatter(ticker.NullFormatter())

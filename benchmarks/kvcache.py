@@ -47,8 +47,14 @@ CONFIG_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "he
 def main(models: list[str] | None = None, device: str = "cpu", runs: int = 5, quick: bool = False) -> dict:
     """The CLI entry (``python -m benchmarks kvcache``): the full or quick workload on each model."""
     if quick:
-        return run(models or DEFAULT_MODELS, device, runs=1, gen_lengths=QUICK_GEN_LENGTHS,
-                   ttft_prompts=QUICK_TTFT_PROMPTS, quick=True)
+        return run(
+            models or DEFAULT_MODELS,
+            device,
+            runs=1,
+            gen_lengths=QUICK_GEN_LENGTHS,
+            ttft_prompts=QUICK_TTFT_PROMPTS,
+            quick=True,
+        )
     return run(models or DEFAULT_MODELS, device, runs=runs)
 
 
@@ -100,15 +106,21 @@ def run(
 
     def run(name: str) -> dict:
         return bench_model(
-            name, device, runs, gen_lengths, ttft_prompts, step1_limits.get(name, {}),
+            name,
+            device,
+            runs,
+            gen_lengths,
+            ttft_prompts,
+            step1_limits.get(name, {}),
         )
 
     harness.run_models(result, models, run)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
-def bench_model(name: str, device: str, runs: int, gen_lengths: list[int], ttft_prompts: list[int],
-                step1_limit: dict) -> dict:
+def bench_model(
+    name: str, device: str, runs: int, gen_lengths: list[int], ttft_prompts: list[int], step1_limit: dict
+) -> dict:
     """All three workloads on one model; the figures of every run, their medians and ratios."""
     import step1_generate
     import step2_kvcache
@@ -153,7 +165,11 @@ def bench_model(name: str, device: str, runs: int, gen_lengths: list[int], ttft_
         "snapshot": str(folder),
         "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
         "parameters": sum(p.numel() for p in step2.model.parameters()),
-        "step1": {"max_tokens": step1_max, "runs": step1_runs, "capped": step1_max < max(lengths) or step1_runs < runs},
+        "step1": {
+            "max_tokens": step1_max,
+            "runs": step1_runs,
+            "capped": step1_max < max(lengths) or step1_runs < runs,
+        },
         "generation": generation,
         "ttft": ttft,
         "kv_cache_bytes": kv_cache_bytes(config, device),
@@ -164,7 +180,9 @@ def time_llm(llm, sampling_params: type, prompt: list[int], n: int, device: str)
     """One request to a step's ``LLM``: ``n`` tokens, greedy, ignore_eos. Wall time of the ``generate``
     call, ms per generated token, and the engine's own metrics (TTFT, gaps between tokens), in seconds."""
     params = sampling_params(max_tokens=n, temperature=0.0, ignore_eos=True)
-    wall, outs = harness.timed(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=params), device)
+    wall, outs = harness.timed(
+        lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=params), device
+    )
     out = outs[0]
     ids = out.outputs[0].token_ids
     latencies = out.metrics.decode_latencies_s
@@ -183,12 +201,25 @@ def time_llm(llm, sampling_params: type, prompt: list[int], n: int, device: str)
 def time_hf(model, prompt: list[int], n: int, device: str) -> dict:
     """One request to Hugging Face's ``generate``: exactly ``n`` new tokens, greedy, its KV cache on."""
     input_ids = torch.tensor([prompt], device=device)  # [1, T]
-    wall, out = harness.timed(lambda: model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, use_cache=True,
-        max_new_tokens=n, min_new_tokens=n, pad_token_id=model.config.eos_token_id,
-    ), device)
-    new = out[0, input_ids.shape[1]:].tolist()  # [n]
-    return {"wall_s": wall, "generated_tokens": len(new), "ms_per_token": 1e3 * wall / len(new), "token_ids": new}
+    wall, out = harness.timed(
+        lambda: model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            use_cache=True,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=model.config.eos_token_id,
+        ),
+        device,
+    )
+    new = out[0, input_ids.shape[1] :].tolist()  # [n]
+    return {
+        "wall_s": wall,
+        "generated_tokens": len(new),
+        "ms_per_token": 1e3 * wall / len(new),
+        "token_ids": new,
+    }
 
 
 def summarise(point: dict, raw: dict[str, list[dict]], key: str) -> dict:
@@ -244,16 +275,29 @@ def targets(model: dict) -> list[dict]:
     decode = [g["median"]["step2"]["decode_latency_median_s"] for g in (first, last)]
     with_step1 = [g for g in gen if "step1" in g["median"]]
     s1 = with_step1[-1] if with_step1 else None
-    longest = last["generated_tokens"] == min(max(GEN_LENGTHS), model["config"]["n_positions"] - PROMPT_TOKENS)
+    longest = last["generated_tokens"] == min(
+        max(GEN_LENGTHS), model["config"]["n_positions"] - PROMPT_TOKENS
+    )
     return [
-        {"label": f"step2 decode latency at {last['generated_tokens']} / at {first['generated_tokens']} generated "
-         "tokens", "value": decode[1] / decode[0] if all(decode) else None, "target": "<= 1.3",
-         "full_size": longest and first["generated_tokens"] == min(GEN_LENGTHS)},
-        {"label": f"step1 / step2 ms per token at {s1['generated_tokens'] if s1 else '-'} generated tokens",
-         "value": s1["ratios"]["step1/step2"]["median"] if s1 else None, "target": ">= 4",
-         "full_size": s1 is not None and s1["generated_tokens"] >= STEP1_TARGET_TOKENS},
-        {"label": f"HF / step2 ms per token at {last['generated_tokens']} generated tokens",
-         "value": last["ratios"]["hf/step2"]["median"], "target": ">= 1.0", "full_size": longest},
+        {
+            "label": f"step2 decode latency at {last['generated_tokens']} / at {first['generated_tokens']} generated "
+            "tokens",
+            "value": decode[1] / decode[0] if all(decode) else None,
+            "target": "<= 1.3",
+            "full_size": longest and first["generated_tokens"] == min(GEN_LENGTHS),
+        },
+        {
+            "label": f"step1 / step2 ms per token at {s1['generated_tokens'] if s1 else '-'} generated tokens",
+            "value": s1["ratios"]["step1/step2"]["median"] if s1 else None,
+            "target": ">= 4",
+            "full_size": s1 is not None and s1["generated_tokens"] >= STEP1_TARGET_TOKENS,
+        },
+        {
+            "label": f"HF / step2 ms per token at {last['generated_tokens']} generated tokens",
+            "value": last["ratios"]["hf/step2"]["median"],
+            "target": ">= 1.0",
+            "full_size": longest,
+        },
     ]
 
 
@@ -261,31 +305,59 @@ def report(result: dict) -> str:
     """The readable summary printed at the end: per model, three tables and the target lines."""
     lines = []
     machine = result["machine"]
-    lines.append(f"kvcache on {machine['device']} ({machine['cpu']}, {machine['torch_threads']} torch threads), "
-                 f"torch {machine['torch']}, transformers {machine['transformers']}, "
-                 f"{result['workload']['runs']} run(s), medians")
+    lines.append(
+        f"kvcache on {machine['device']} ({machine['cpu']}, {machine['torch_threads']} torch threads), "
+        f"torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"{result['workload']['runs']} run(s), medians"
+    )
     for name, model in result["models"].items():
         c = model["config"]
-        lines.append(f"\n## {name}: {model['parameters'] / 1e6:.1f}M parameters, {c['n_layer']} layers, "
-                     f"{c['n_embd']} wide, {c['n_positions']} positions")
+        lines.append(
+            f"\n## {name}: {model['parameters'] / 1e6:.1f}M parameters, {c['n_layer']} layers, "
+            f"{c['n_embd']} wide, {c['n_positions']} positions"
+        )
         rows = []
         for g in model["generation"]:
             m, r = g["median"], g["ratios"]
-            rows.append([g["generated_tokens"], m.get("step1", {}).get("ms_per_token"), m["step2"]["ms_per_token"],
-                         m["hf"]["ms_per_token"], r.get("step1/step2", {}).get("median"), r["hf/step2"]["median"],
-                         1e3 * m["step2"]["decode_latency_median_s"]])
+            rows.append(
+                [
+                    g["generated_tokens"],
+                    m.get("step1", {}).get("ms_per_token"),
+                    m["step2"]["ms_per_token"],
+                    m["hf"]["ms_per_token"],
+                    r.get("step1/step2", {}).get("median"),
+                    r["hf/step2"]["median"],
+                    1e3 * m["step2"]["decode_latency_median_s"],
+                ]
+            )
         lines.append(f"\ngeneration after a {PROMPT_TOKENS}-token prompt (ms per generated token)")
         headers = ["tokens", "step1", "step2", "HF", "step1/step2", "HF/step2", "step2 decode ms"]
         lines.append(harness.table(headers, rows))
         s1 = model["step1"]
         if s1["capped"]:
             lines.append(f"(step1 capped: up to {s1['max_tokens']} tokens, {s1['runs']} run(s))")
-        rows = [[t["prompt_tokens"], 1e3 * t["median"]["step2"]["ttft_s"], 1e3 * t["median"]["step2"]["wall_s"],
-                 1e3 * t["median"]["hf"]["wall_s"], t["ratios"]["hf/step2"]["median"]] for t in model["ttft"]]
+        rows = [
+            [
+                t["prompt_tokens"],
+                1e3 * t["median"]["step2"]["ttft_s"],
+                1e3 * t["median"]["step2"]["wall_s"],
+                1e3 * t["median"]["hf"]["wall_s"],
+                t["ratios"]["hf/step2"]["median"],
+            ]
+            for t in model["ttft"]
+        ]
         lines.append("\ntime to first token (ms)")
         lines.append(harness.table(["prompt", "step2 TTFT", "step2 call", "HF call", "HF/step2"], rows))
-        rows = [[dtype, k["formula_bytes_per_token"], k["measured_bytes_per_token"], k["context_window_tokens"],
-                 f"{k['context_window_bytes'] / 2**20:.2f} MiB"] for dtype, k in model["kv_cache_bytes"].items()]
+        rows = [
+            [
+                dtype,
+                k["formula_bytes_per_token"],
+                k["measured_bytes_per_token"],
+                k["context_window_tokens"],
+                f"{k['context_window_bytes'] / 2**20:.2f} MiB",
+            ]
+            for dtype, k in model["kv_cache_bytes"].items()
+        ]
         lines.append("\nKV cache memory")
         headers = ["dtype", "bytes/token (formula)", "bytes/token (KVCache)", "window", "window total"]
         lines.append(harness.table(headers, rows))
@@ -309,12 +381,21 @@ def plot(result: dict, path: Path) -> Path:
         gen = model["generation"]
         ax = row[0]
         all_ms = []
-        for engine, label in (("step1", "step1 (no cache)"), ("step2", "step2 (KV cache)"), ("hf", "HF generate")):
+        for engine, label in (
+            ("step1", "step1 (no cache)"),
+            ("step2", "step2 (KV cache)"),
+            ("hf", "HF generate"),
+        ):
             points = [g for g in gen if engine in g["median"]]
             all_ms += [g["median"][engine]["ms_per_token"] for g in points]
-            ax.plot([g["generated_tokens"] for g in points], all_ms[-len(points):], marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="generated tokens", ylabel="ms per generated token",
-               title=f"{name}: ms/token after a {PROMPT_TOKENS}-token prompt")
+            ax.plot([g["generated_tokens"] for g in points], all_ms[-len(points) :], marker="o", label=label)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="generated tokens",
+            ylabel="ms per generated token",
+            title=f"{name}: ms/token after a {PROMPT_TOKENS}-token prompt",
+        )
         ax.set_xticks([g["generated_tokens"] for g in gen], [str(g["generated_tokens"]) for g in gen])
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         harness.log_axis(ax.yaxis, all_ms)
@@ -323,17 +404,29 @@ def plot(result: dict, path: Path) -> Path:
         ax = row[1]
         decode_ms = [1e3 * g["median"]["step2"]["decode_latency_median_s"] for g in gen]
         ax.plot([g["generated_tokens"] for g in gen], decode_ms, marker="o", color="C1")
-        ax.set(xlabel="generated tokens", ylabel="ms between tokens (median)", ylim=(0, None),
-               title=f"{name}: step2 decode latency")
+        ax.set(
+            xlabel="generated tokens",
+            ylabel="ms between tokens (median)",
+            ylim=(0, None),
+            title=f"{name}: step2 decode latency",
+        )
         ax = row[2]
         for engine, label, color in (("step2", "step2", "C1"), ("hf", "HF generate", "C2")):
             ttft_ms = [1e3 * t["median"][engine]["wall_s"] for t in model["ttft"]]
-            ax.plot([t["prompt_tokens"] for t in model["ttft"]], ttft_ms, marker="o", label=label, color=color)
-        ax.set(xlabel="prompt tokens", ylabel="ms to the first token (whole call)", ylim=(0, None),
-               title=f"{name}: time to first token")
+            ax.plot(
+                [t["prompt_tokens"] for t in model["ttft"]], ttft_ms, marker="o", label=label, color=color
+            )
+        ax.set(
+            xlabel="prompt tokens",
+            ylabel="ms to the first token (whole call)",
+            ylim=(0, None),
+            title=f"{name}: time to first token",
+        )
         ax.legend()
     machine = result["machine"]
-    fig.suptitle(f"KV cache benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads), "
-                 f"{machine['dtype']}, median of {result['workload']['runs']} run(s)")
+    fig.suptitle(
+        f"KV cache benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads), "
+        f"{machine['dtype']}, median of {result['workload']['runs']} run(s)"
+    )
     fig.tight_layout()
     return harness.save_figure(fig, path, dpi=110)

@@ -77,21 +77,49 @@ ENGINES = {
 }
 
 
-def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False,
-         out_dir: Path = harness.RESULTS) -> dict:
+def main(
+    models: list[str] | None = None,
+    device: str = "cpu",
+    runs: int = DEFAULT_RUNS,
+    quick: bool = False,
+    out_dir: Path = harness.RESULTS,
+) -> dict:
     """The CLI entry (``python -m benchmarks server``): the full or quick workloads on each model."""
     mixed = workloads.load("mixed")
     if quick:
         caps = (QUICK["max_prompt_tokens"], QUICK["max_tokens"])
-        return run(models or DEFAULT_MODELS, device, 1, workloads.take(mixed, QUICK["requests"], *caps),
-                   workloads.take(mixed, QUICK["arrival_requests"], *caps), QUICK["loads"], quick=True,
-                   out_dir=out_dir)
-    return run(models or DEFAULT_MODELS, device, runs, workloads.take(mixed, CONCURRENCY_REQUESTS),
-               workloads.take(mixed, ARRIVAL_REQUESTS), LOADS, out_dir=out_dir)
+        return run(
+            models or DEFAULT_MODELS,
+            device,
+            1,
+            workloads.take(mixed, QUICK["requests"], *caps),
+            workloads.take(mixed, QUICK["arrival_requests"], *caps),
+            QUICK["loads"],
+            quick=True,
+            out_dir=out_dir,
+        )
+    return run(
+        models or DEFAULT_MODELS,
+        device,
+        runs,
+        workloads.take(mixed, CONCURRENCY_REQUESTS),
+        workloads.take(mixed, ARRIVAL_REQUESTS),
+        LOADS,
+        out_dir=out_dir,
+    )
 
 
-def run(models: list[str], device: str, runs: int, concurrency_workload: dict, arrival_workload: dict,
-        loads: list[float], streams: int = STREAMS, quick: bool = False, out_dir: Path = harness.RESULTS) -> dict:
+def run(
+    models: list[str],
+    device: str,
+    runs: int,
+    concurrency_workload: dict,
+    arrival_workload: dict,
+    loads: list[float],
+    streams: int = STREAMS,
+    quick: bool = False,
+    out_dir: Path = harness.RESULTS,
+) -> dict:
     """Measure every model; write ``<out_dir>/server-<device>.json`` and ``.png``; return the result.
 
     concurrency_workload: the requests of the fixed-concurrency point, ``streams`` in flight at a time.
@@ -108,12 +136,19 @@ def run(models: list[str], device: str, runs: int, concurrency_workload: dict, a
             "quick": quick,
             "max_num_seqs": MAX_NUM_SEQS,
             "block_size": BLOCK_SIZE,
-            "concurrency": {"streams": streams, "summary": workloads.summary(concurrency_workload),
-                            "workload": concurrency_workload},
-            "arrivals": {"loads": loads, "seed": ARRIVAL_SEED, "summary": workloads.summary(arrival_workload),
-                         "workload": arrival_workload,
-                         "process": "Poisson at load x the in-process requests/s at the fixed concurrency: the first "
-                         "request at 0 s, then gaps random.Random(seed).expovariate(rate)"},
+            "concurrency": {
+                "streams": streams,
+                "summary": workloads.summary(concurrency_workload),
+                "workload": concurrency_workload,
+            },
+            "arrivals": {
+                "loads": loads,
+                "seed": ARRIVAL_SEED,
+                "summary": workloads.summary(arrival_workload),
+                "workload": arrival_workload,
+                "process": "Poisson at load x the in-process requests/s at the fixed concurrency: the first "
+                "request at 0 s, then gaps random.Random(seed).expovariate(rate)",
+            },
             "engines": ENGINES,
             "warmup": f"before each point, each engine once on the point's first {streams} requests with at most "
             f"{WARMUP_TOKENS} new tokens, all at once, untimed",
@@ -126,35 +161,51 @@ def run(models: list[str], device: str, runs: int, concurrency_workload: dict, a
         },
         "models": {},
     }
-    harness.run_models(result, models, lambda name: bench_model(name, device, runs, concurrency_workload,
-                                                               arrival_workload, loads, streams))
+    harness.run_models(
+        result,
+        models,
+        lambda name: bench_model(name, device, runs, concurrency_workload, arrival_workload, loads, streams),
+    )
     result["machine"]["load_average_end"] = os.getloadavg()
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
-def bench_model(name: str, device: str, runs: int, concurrency_workload: dict, arrival_workload: dict,
-                loads: list[float], streams: int) -> dict:
+def bench_model(
+    name: str,
+    device: str,
+    runs: int,
+    concurrency_workload: dict,
+    arrival_workload: dict,
+    loads: list[float],
+    streams: int,
+) -> dict:
     """Both points on one model: the engine in this process and the server in a subprocess, alternated."""
     import step6_server
 
     folder = snapshot(name)
-    engine = step6_server.LLMEngine(model=str(folder), device=device, dtype="float32", block_size=BLOCK_SIZE,
-                                    max_num_seqs=MAX_NUM_SEQS)
+    engine = step6_server.LLMEngine(
+        model=str(folder), device=device, dtype="float32", block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS
+    )
     config = engine.config
     conc_reqs = workloads.requests(concurrency_workload, config.vocab_size, config.n_positions)
     arr_reqs = workloads.requests(arrival_workload, config.vocab_size, config.n_positions)
     fields = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
     out: dict = {"snapshot": str(folder), "config": {k: getattr(config, k) for k in fields}}
     with ServerProcess(folder, device) as url:
+
         def engines(requests, arrivals=None, concurrency=None) -> dict:
             return {
-                "in_process": lambda: in_thread(run_in_process, engine, step6_server, requests, arrivals, concurrency),
+                "in_process": lambda: in_thread(
+                    run_in_process, engine, step6_server, requests, arrivals, concurrency
+                ),
                 "http": lambda: asyncio.run(run_http(url, requests, arrivals, concurrency)),
             }
 
         def measure(requests, arrivals=None, concurrency=None) -> dict:
-            warm = [workloads.Request(r.index, r.prompt_token_ids, min(r.max_tokens, WARMUP_TOKENS))
-                    for r in requests[:streams]]
+            warm = [
+                workloads.Request(r.index, r.prompt_token_ids, min(r.max_tokens, WARMUP_TOKENS))
+                for r in requests[:streams]
+            ]
             for call in engines(warm, None, streams).values():
                 call()
             raw = harness.alternate(engines(requests, arrivals, concurrency), runs, warmup=0)
@@ -170,9 +221,12 @@ def bench_model(name: str, device: str, runs: int, concurrency_workload: dict, a
                 "median": {e: harness.medians(rs) for e, rs in runs_out.items()},
                 "ratios": {
                     "http/in_process throughput": harness.ratio(h_runs, i_runs, "throughput_tok_s"),
-                    "outside engine share": per_run([1 - i["wall_s"] / h["wall_s"] for i, h in zip(i_runs, h_runs)]),
-                    "http-in_process ttft p50 s": per_run([h["ttft_p50_s"] - i["ttft_p50_s"]
-                                                           for i, h in zip(i_runs, h_runs)]),
+                    "outside engine share": per_run(
+                        [1 - i["wall_s"] / h["wall_s"] for i, h in zip(i_runs, h_runs)]
+                    ),
+                    "http-in_process ttft p50 s": per_run(
+                        [h["ttft_p50_s"] - i["ttft_p50_s"] for i, h in zip(i_runs, h_runs)]
+                    ),
                 },
                 "http_text_equals_in_process": {"per_run": same, "requests": len(requests)},
             }
@@ -187,8 +241,11 @@ def bench_model(name: str, device: str, runs: int, concurrency_workload: dict, a
         for load in loads:
             rate = load * capacity
             arrivals = poisson(len(arr_reqs), rate, ARRIVAL_SEED)
-            print(f"  Poisson arrivals at {rate:.2f} requests/s ({load:.0%} of capacity): {len(arr_reqs)} requests "
-                  f"over {arrivals[-1]:.1f} s", flush=True)
+            print(
+                f"  Poisson arrivals at {rate:.2f} requests/s ({load:.0%} of capacity): {len(arr_reqs)} requests "
+                f"over {arrivals[-1]:.1f} s",
+                flush=True,
+            )
             p = measure(arr_reqs, arrivals=arrivals)
             print_point(p)
             out["arrivals"].append({"load": load, "rate_per_s": rate, "arrival_s": arrivals, **p})
@@ -197,9 +254,15 @@ def bench_model(name: str, device: str, runs: int, concurrency_workload: dict, a
 
 def print_point(point: dict) -> None:
     m = point["median"]
-    print("    " + ", ".join(f"{e} {m[e]['throughput_tok_s']:.0f} tok/s, TTFT p50 {1e3 * m[e]['ttft_p50_s']:.0f} ms"
-                             for e in ("in_process", "http"))
-          + f"; HTTP / in-process {point['ratios']['http/in_process throughput']['median']:.2f}x", flush=True)
+    print(
+        "    "
+        + ", ".join(
+            f"{e} {m[e]['throughput_tok_s']:.0f} tok/s, TTFT p50 {1e3 * m[e]['ttft_p50_s']:.0f} ms"
+            for e in ("in_process", "http")
+        )
+        + f"; HTTP / in-process {point['ratios']['http/in_process throughput']['median']:.2f}x",
+        flush=True,
+    )
 
 
 def same_texts(http: dict, in_process: dict) -> int:
@@ -236,17 +299,33 @@ def poisson(n: int, rate: float, seed: int) -> list[float]:
 # ---- the two drivers: each returns {"wall_s", "steps", "requests": [records]} ----------------------------------
 
 
-def _record(r: workloads.Request, arrival: float, token_times: list[float], generated: int, text: str) -> dict:
-    return {"index": r.index, "prompt_tokens": r.prompt_tokens, "generated_tokens": generated, "arrival_s": arrival,
-            "first_token_s": token_times[0], "finished_s": token_times[-1],
-            "itl_s": [b - a for a, b in zip(token_times, token_times[1:])], "text": text}
+def _record(
+    r: workloads.Request, arrival: float, token_times: list[float], generated: int, text: str
+) -> dict:
+    return {
+        "index": r.index,
+        "prompt_tokens": r.prompt_tokens,
+        "generated_tokens": generated,
+        "arrival_s": arrival,
+        "first_token_s": token_times[0],
+        "finished_s": token_times[-1],
+        "itl_s": [b - a for a, b in zip(token_times, token_times[1:])],
+        "text": text,
+    }
 
 
 def run_in_process(engine, module, requests, arrivals=None, concurrency=None) -> dict:
     """Drive the engine directly: requests join between steps when they arrive (``arrivals``, seconds) or,
     with ``concurrency``, as soon as fewer than that are in flight."""
-    params = {r.index: module.SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
-                                             output_kind=module.RequestOutputKind.DELTA) for r in requests}
+    params = {
+        r.index: module.SamplingParams(
+            max_tokens=r.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=module.RequestOutputKind.DELTA,
+        )
+        for r in requests
+    }
     pending = list(zip(requests, arrivals or [0.0] * len(requests)))
     by_id = {str(r.index): r for r in requests}
     arrived: dict[str, float] = {}
@@ -275,9 +354,20 @@ def run_in_process(engine, module, requests, arrivals=None, concurrency=None) ->
             texts.setdefault(o.request_id, []).append(c.text)
             if o.finished:
                 in_flight -= 1
-                records.append(_record(by_id[o.request_id], arrived[o.request_id], times[o.request_id],
-                                       counts[o.request_id], "".join(texts[o.request_id])))
-    return {"wall_s": time.perf_counter() - t0, "steps": steps, "requests": sorted(records, key=lambda x: x["index"])}
+                records.append(
+                    _record(
+                        by_id[o.request_id],
+                        arrived[o.request_id],
+                        times[o.request_id],
+                        counts[o.request_id],
+                        "".join(texts[o.request_id]),
+                    )
+                )
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "steps": steps,
+        "requests": sorted(records, key=lambda x: x["index"]),
+    }
 
 
 async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
@@ -294,8 +384,14 @@ async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         async with gate:
             sent = time.perf_counter() - t0
-            body = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "prompt": r.prompt_token_ids,
+                "max_tokens": r.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             token_times, generated, text = [], 0, []
             async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 if response.status_code != 200:
@@ -316,8 +412,9 @@ async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         steps_before = (await http.get(f"{url}/v1/engine/stats")).json()["steps"]
         t0 = time.perf_counter()
-        records = await asyncio.gather(*(one(http, r, at, t0)
-                                         for r, at in zip(requests, arrivals or [0.0] * len(requests))))
+        records = await asyncio.gather(
+            *(one(http, r, at, t0) for r, at in zip(requests, arrivals or [0.0] * len(requests)))
+        )
         wall = time.perf_counter() - t0
         steps = (await http.get(f"{url}/v1/engine/stats")).json()["steps"] - steps_before
     return {"wall_s": wall, "steps": steps, "requests": sorted(records, key=lambda x: x["index"])}
@@ -331,9 +428,14 @@ def summarise(run: dict) -> dict:
     ttft = [r["first_token_s"] - r["arrival_s"] for r in recs]
     itl = [x for r in recs for x in r["itl_s"]]
     latency = [r["finished_s"] - r["arrival_s"] for r in recs]
-    figures = {"wall_s": run["wall_s"], "steps": run["steps"], "requests_served": len(recs),
-               "generated_tokens": generated, "throughput_tok_s": generated / run["wall_s"],
-               "requests_per_s": len(recs) / run["wall_s"]}
+    figures = {
+        "wall_s": run["wall_s"],
+        "steps": run["steps"],
+        "requests_served": len(recs),
+        "generated_tokens": generated,
+        "throughput_tok_s": generated / run["wall_s"],
+        "requests_per_s": len(recs) / run["wall_s"],
+    }
     for label, values in (("ttft", ttft), ("itl", itl), ("latency", latency)):
         for q in (50, 95, 99):
             figures[f"{label}_p{q}_s"] = harness.percentile(values, q)
@@ -346,15 +448,39 @@ class ServerProcess:
     Raises ConnectionError if the server does not start (its stderr in the message)."""
 
     def __init__(self, folder: Path, device: str):
-        self.args = [sys.executable, "-m", "step6_server", "--model", str(folder), "--device", device, "--port", "0",
-                     "--max-num-seqs", str(MAX_NUM_SEQS), "--block-size", str(BLOCK_SIZE),
-                     "--max-waiting-requests", "100000"]
+        self.args = [
+            sys.executable,
+            "-m",
+            "step6_server",
+            "--model",
+            str(folder),
+            "--device",
+            device,
+            "--port",
+            "0",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-waiting-requests",
+            "100000",
+        ]
 
     def __enter__(self) -> str:
-        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a pipe nobody reads can fill and block
-        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = self.proc.stdout.readline()  # "serving <model> on http://127.0.0.1:<port> ...", once it listens
+        self.stderr = tempfile.TemporaryFile(
+            mode="w+"
+        )  # a file, not a pipe: a pipe nobody reads can fill and block
+        self.proc = subprocess.Popen(
+            self.args,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        line = (
+            self.proc.stdout.readline()
+        )  # "serving <model> on http://127.0.0.1:<port> ...", once it listens
         found = re.search(r"http://127\.0\.0\.1:\d+", line)
         if not found:
             self.proc.kill()
@@ -381,16 +507,26 @@ def targets(model: dict, workload: dict) -> list[dict]:
     """The step's target on one model's results: ``harness.target_line``'s arguments; full size only on the
     full workload (not --quick) at 16 streams."""
     c = model["concurrency"]
-    full = not workload["quick"] and c["streams"] == STREAMS and \
-        workload["concurrency"]["summary"]["requests"] == CONCURRENCY_REQUESTS
-    return [{"label": f"HTTP / in-process throughput at {c['streams']} concurrent streams",
-             "value": c["ratios"]["http/in_process throughput"]["median"], "target": TARGET, "full_size": full}]
+    full = (
+        not workload["quick"]
+        and c["streams"] == STREAMS
+        and workload["concurrency"]["summary"]["requests"] == CONCURRENCY_REQUESTS
+    )
+    return [
+        {
+            "label": f"HTTP / in-process throughput at {c['streams']} concurrent streams",
+            "value": c["ratios"]["http/in_process throughput"]["median"],
+            "target": TARGET,
+            "full_size": full,
+        }
+    ]
 
 
 def points(model: dict) -> list[tuple[str, dict]]:
     """(label, point): the fixed concurrency, then the Poisson points."""
-    return [(f"{model['concurrency']['streams']} streams", model["concurrency"])] + \
-        [(f"Poisson {p['rate_per_s']:.2f}/s", p) for p in model["arrivals"]]
+    return [(f"{model['concurrency']['streams']} streams", model["concurrency"])] + [
+        (f"Poisson {p['rate_per_s']:.2f}/s", p) for p in model["arrivals"]
+    ]
 
 
 def report(result: dict) -> str:
@@ -399,13 +535,29 @@ def report(result: dict) -> str:
     m, w = result["machine"], result["workload"]
     load = f"load average {m['load_average_start'][0]:.2f} at the start, {m['load_average_end'][0]:.2f} at the end"
     where = f"{m['gpu']}, " if m.get("gpu") else ""
-    lines = [f"server on {m['device']} ({where}{m['cpu']}, {m['torch_threads']} torch threads), torch {m['torch']}, "
-             f"{w['runs']} run(s), medians; {load}"]
-    headers = ["load", "engine", "tok/s", "steps", "TTFT p50 ms", "p95", "p99", "ITL p50 ms", "p95", "p99",
-               "outside engine", "same text"]
+    lines = [
+        f"server on {m['device']} ({where}{m['cpu']}, {m['torch_threads']} torch threads), torch {m['torch']}, "
+        f"{w['runs']} run(s), medians; {load}"
+    ]
+    headers = [
+        "load",
+        "engine",
+        "tok/s",
+        "steps",
+        "TTFT p50 ms",
+        "p95",
+        "p99",
+        "ITL p50 ms",
+        "p95",
+        "p99",
+        "outside engine",
+        "same text",
+    ]
     for name, model in result["models"].items():
-        lines.append(f"\n## {name}: in-process capacity {model['capacity_requests_per_s']:.2f} requests/s at "
-                     f"{model['concurrency']['streams']} streams")
+        lines.append(
+            f"\n## {name}: in-process capacity {model['capacity_requests_per_s']:.2f} requests/s at "
+            f"{model['concurrency']['streams']} streams"
+        )
         rows = []
         for label, p in points(model):
             for engine in ("in_process", "http"):
@@ -413,15 +565,25 @@ def report(result: dict) -> str:
                 http = engine == "http"
                 share = p["ratios"]["outside engine share"]["median"]
                 same = p["http_text_equals_in_process"]
-                rows.append([label, engine, s["throughput_tok_s"], s["steps"],
-                             *(1e3 * s[f"ttft_p{q}_s"] for q in (50, 95, 99)),
-                             *(1e3 * s[f"itl_p{q}_s"] for q in (50, 95, 99)),
-                             f"{100 * share:.1f}%" if http else None,
-                             f"{min(same['per_run'])}/{same['requests']}" if http else None])
+                rows.append(
+                    [
+                        label,
+                        engine,
+                        s["throughput_tok_s"],
+                        s["steps"],
+                        *(1e3 * s[f"ttft_p{q}_s"] for q in (50, 95, 99)),
+                        *(1e3 * s[f"itl_p{q}_s"] for q in (50, 95, 99)),
+                        f"{100 * share:.1f}%" if http else None,
+                        f"{min(same['per_run'])}/{same['requests']}" if http else None,
+                    ]
+                )
         lines.append(harness.table(headers, rows))
         per_run = model["concurrency"]["ratios"]["http/in_process throughput"]["per_run"]
-        lines.append(f"HTTP / in-process throughput at {model['concurrency']['streams']} streams, run by run: "
-                     + ", ".join(f"{x:.2f}" for x in per_run) + " (a busy machine moves single runs)")
+        lines.append(
+            f"HTTP / in-process throughput at {model['concurrency']['streams']} streams, run by run: "
+            + ", ".join(f"{x:.2f}" for x in per_run)
+            + " (a busy machine moves single runs)"
+        )
         lines.append("\ntargets")
         lines.extend(harness.target_line(**t) for t in targets(model, w))
     return "\n".join(lines)
@@ -444,24 +606,54 @@ def plot(result: dict, path: Path) -> Path:
         ax = row[0]
         c = model["concurrency"]
         for engine in ("in_process", "http"):
-            ax.plot(xs, [p["median"][engine]["throughput_tok_s"] for p in pts], marker="o", color=colors[engine],
-                    label=f"{engine.replace('_', '-')}, Poisson")
-            ax.axhline(c["median"][engine]["throughput_tok_s"], color=colors[engine], linestyle="--", linewidth=1,
-                       label=f"{engine.replace('_', '-')}, {c['streams']} streams")
+            ax.plot(
+                xs,
+                [p["median"][engine]["throughput_tok_s"] for p in pts],
+                marker="o",
+                color=colors[engine],
+                label=f"{engine.replace('_', '-')}, Poisson",
+            )
+            ax.axhline(
+                c["median"][engine]["throughput_tok_s"],
+                color=colors[engine],
+                linestyle="--",
+                linewidth=1,
+                label=f"{engine.replace('_', '-')}, {c['streams']} streams",
+            )
         ratio = c["ratios"]["http/in_process throughput"]["median"]
-        ax.set(xlabel="Poisson arrival rate (requests / s)", ylabel="generated tokens / s", ylim=(0, None),
-               title=f"{name}: throughput (HTTP / in-process at {c['streams']} streams: {ratio:.2f}x)")
+        ax.set(
+            xlabel="Poisson arrival rate (requests / s)",
+            ylabel="generated tokens / s",
+            ylim=(0, None),
+            title=f"{name}: throughput (HTTP / in-process at {c['streams']} streams: {ratio:.2f}x)",
+        )
         ax.legend(fontsize=8)
-        for ax, key, label in ((row[1], "ttft", "time to first token"), (row[2], "itl", "inter-token latency")):
+        for ax, key, label in (
+            (row[1], "ttft", "time to first token"),
+            (row[2], "itl", "inter-token latency"),
+        ):
             for engine in ("in_process", "http"):
                 for q, style in ((50, "-"), (95, "--"), (99, ":")):
-                    ax.plot(xs, [1e3 * p["median"][engine][f"{key}_p{q}_s"] for p in pts], marker="o", linestyle=style,
-                            color=colors[engine], label=f"{engine.replace('_', '-')} p{q}")
-            ax.set(xlabel="Poisson arrival rate (requests / s)", ylabel="ms", ylim=(0, None), title=f"{name}: {label}")
+                    ax.plot(
+                        xs,
+                        [1e3 * p["median"][engine][f"{key}_p{q}_s"] for p in pts],
+                        marker="o",
+                        linestyle=style,
+                        color=colors[engine],
+                        label=f"{engine.replace('_', '-')} p{q}",
+                    )
+            ax.set(
+                xlabel="Poisson arrival rate (requests / s)",
+                ylabel="ms",
+                ylim=(0, None),
+                title=f"{name}: {label}",
+            )
             ax.legend(fontsize=8)
     m = result["machine"]
-    fig.suptitle(f"HTTP server vs in-process engine, {m['device']} ({m.get('gpu') or m['cpu']}), median of "
-                 f"{result['workload']['runs']} run(s), load average {m['load_average_start'][0]:.1f} -> "
-                 f"{m['load_average_end'][0]:.1f}")
+    fig.suptitle(
+        f"HTTP server vs in-process engine, {m['device']} ({m.get('gpu') or m['cpu']}), median of "
+        f"{result['workload']['runs']} run(s), load average {m['load_average_start'][0]:.1f} -> "
+        f"{m['load_average_end'][0]:.1f}"
+    )
     fig.tight_layout()
     return harness.save_figure(fig, path)

@@ -49,11 +49,26 @@ def _wait_until(t0: float, arrival_s: float) -> None:
         time.sleep(delay)
 
 
-def _record(r: Request, started_s: float, first_token_s: float | None, finished_s: float, generated: int,
-            padding: int | None = 0, wasted: int | None = 0) -> dict:
-    return {"index": r.index, "prompt_tokens": r.prompt_tokens, "generated_tokens": generated,
-            "arrival_s": r.arrival_s, "started_s": started_s, "first_token_s": first_token_s,
-            "finished_s": finished_s, "padding_tokens": padding, "wasted_tokens": wasted}
+def _record(
+    r: Request,
+    started_s: float,
+    first_token_s: float | None,
+    finished_s: float,
+    generated: int,
+    padding: int | None = 0,
+    wasted: int | None = 0,
+) -> dict:
+    return {
+        "index": r.index,
+        "prompt_tokens": r.prompt_tokens,
+        "generated_tokens": generated,
+        "arrival_s": r.arrival_s,
+        "started_s": started_s,
+        "first_token_s": first_token_s,
+        "finished_s": finished_s,
+        "padding_tokens": padding,
+        "wasted_tokens": wasted,
+    }
 
 
 def run_step2(llm, module, requests: list[Request], device: str = "cpu") -> dict:
@@ -63,8 +78,10 @@ def run_step2(llm, module, requests: list[Request], device: str = "cpu") -> dict
         raise ValueError("run_step2 serves requests that all arrive at time 0")
     harness.synchronize(device)
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in requests],
-                        sampling_params=[params_for(module, r) for r in requests])
+    outs = llm.generate(
+        prompt_token_ids=[r.prompt_token_ids for r in requests],
+        sampling_params=[params_for(module, r) for r in requests],
+    )
     harness.synchronize(device)
     wall = time.perf_counter() - t0
     records = []
@@ -72,8 +89,9 @@ def run_step2(llm, module, requests: list[Request], device: str = "cpu") -> dict
         m = out.metrics
         # the request starts when the previous one has finished (or at 0): its prefill begins then
         started = records[-1]["finished_s"] if records else 0.0
-        records.append(_record(r, started, m.token_times[0] - t0, m.finished_time - t0,
-                               len(out.outputs[0].token_ids)))
+        records.append(
+            _record(r, started, m.token_times[0] - t0, m.finished_time - t0, len(out.outputs[0].token_ids))
+        )
     return {"wall_s": wall, "requests": records}
 
 
@@ -102,11 +120,13 @@ def run_step3(llm, module, requests: list[Request], batch_size: int, device: str
         _wait_until(t0, pending[0].arrival_s)
         now = time.perf_counter() - t0
         batch = [r for r in pending[:batch_size] if r.arrival_s <= now]
-        pending = pending[len(batch):]
+        pending = pending[len(batch) :]
         padding, wasted = engine.num_padding_tokens, engine.num_wasted_tokens  # running totals
         start = time.perf_counter() - t0
-        outs = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in batch],
-                            sampling_params=[params_for(module, r) for r in batch])
+        outs = llm.generate(
+            prompt_token_ids=[r.prompt_token_ids for r in batch],
+            sampling_params=[params_for(module, r) for r in batch],
+        )
         harness.synchronize(device)
         end = time.perf_counter() - t0
         generated = [len(out.outputs[0].token_ids) for out in outs]
@@ -116,12 +136,21 @@ def run_step3(llm, module, requests: list[Request], batch_size: int, device: str
         # the engine's reservation: every row holds the longest prompt + the largest generation budget
         longest = max(r.prompt_tokens for r in batch)
         capacity = longest + max(min(window, r.prompt_tokens + r.max_tokens) - r.prompt_tokens for r in batch)
-        kv = module.kv_cache.KVCache(llm.config, capacity, "meta", engine.dtype, batch_size=len(batch))  # sizes only
-        batches.append({"start_s": start, "end_s": end, "requests": [r.index for r in batch], "capacity": capacity,
-                        "kv_bytes": kv.nbytes,
-                        "tokens_stored": sum(r.prompt_tokens + n - 1 for r, n in zip(batch, generated)),
-                        "padding_tokens": engine.num_padding_tokens - padding,
-                        "wasted_tokens": engine.num_wasted_tokens - wasted})
+        kv = module.kv_cache.KVCache(
+            llm.config, capacity, "meta", engine.dtype, batch_size=len(batch)
+        )  # sizes only
+        batches.append(
+            {
+                "start_s": start,
+                "end_s": end,
+                "requests": [r.index for r in batch],
+                "capacity": capacity,
+                "kv_bytes": kv.nbytes,
+                "tokens_stored": sum(r.prompt_tokens + n - 1 for r, n in zip(batch, generated)),
+                "padding_tokens": engine.num_padding_tokens - padding,
+                "wasted_tokens": engine.num_wasted_tokens - wasted,
+            }
+        )
     # a row's waste: the slots it reserved (capacity) minus the real tokens it stored by the batch's end
     stored = {rec["index"]: rec["prompt_tokens"] + rec["generated_tokens"] - 1 for rec in records}
     waste = [b["capacity"] - stored[i] for b in batches for i in b["requests"]]
@@ -176,8 +205,10 @@ def run_step4(engine, module, requests: list[Request], device: str = "cpu") -> d
         max_running = max(max_running, len(outs))
         # KV cache during this step: running requests hold ceil(stored / bs) blocks for their stored
         # tokens (all but the newest token, which is not in the cache yet); the finished ones held theirs
-        held = {seq.request_id: (len(blocks.block_tables[seq.request_id]), len(seq) - 1)
-                for seq in engine.scheduler.running}
+        held = {
+            seq.request_id: (len(blocks.block_tables[seq.request_id]), len(seq) - 1)
+            for seq in engine.scheduler.running
+        }
         for out in outs:
             started.setdefault(out.request_id, step_start)
             if out.finished:
@@ -197,8 +228,15 @@ def run_step4(engine, module, requests: list[Request], device: str = "cpu") -> d
         out = outputs[request_id]
         m = out.metrics
         # continuous batching: no padding, and a finished request leaves the batch at once (no waste)
-        records.append(_record(r, started[request_id], m.token_times[0] - t0, m.finished_time - t0,
-                               len(out.outputs[0].token_ids)))
+        records.append(
+            _record(
+                r,
+                started[request_id],
+                m.token_times[0] - t0,
+                m.finished_time - t0,
+                len(out.outputs[0].token_ids),
+            )
+        )
     records.sort(key=lambda rec: rec["index"])
     bytes_per_block = module.PagedKVCache.block_bytes(engine.config, bs, engine.dtype)
     return {
@@ -237,16 +275,27 @@ def run_hf(model, requests: list[Request], batch_size: int, device: str = "cpu")
     harness.synchronize(device)
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
+        batch = requests[i : i + batch_size]
         longest = max(r.prompt_tokens for r in batch)
         new = max(r.max_tokens for r in batch)
         pads = [longest - r.prompt_tokens for r in batch]
         rows = list(zip(pads, batch))
-        input_ids = torch.tensor([[pad_id] * n + r.prompt_token_ids for n, r in rows], device=device)  # [B, T]
-        attention_mask = torch.tensor([[0] * n + [1] * r.prompt_tokens for n, r in rows], device=device)  # [B, T]
+        input_ids = torch.tensor(
+            [[pad_id] * n + r.prompt_token_ids for n, r in rows], device=device
+        )  # [B, T]
+        attention_mask = torch.tensor(
+            [[0] * n + [1] * r.prompt_tokens for n, r in rows], device=device
+        )  # [B, T]
         start = time.perf_counter() - t0
-        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, use_cache=True,
-                       max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
+        model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            use_cache=True,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=pad_id,
+        )
         harness.synchronize(device)
         end = time.perf_counter() - t0
         for n, r in zip(pads, batch):
@@ -299,7 +348,9 @@ def batch_waste(run: dict, batch: dict) -> tuple[int, int]:
     return sum(r["padding_tokens"] for r in members), sum(r["wasted_tokens"] for r in members)
 
 
-def compare(raw: dict[str, list[dict]], ratios: dict[str, tuple[str, str, str]], keep_records: bool = True) -> dict:
+def compare(
+    raw: dict[str, list[dict]], ratios: dict[str, tuple[str, str, str]], keep_records: bool = True
+) -> dict:
     """One workload point from ``harness.alternate``'s figures: every run, the medians, and the ratios.
 
     ratios: label -> (engine a, engine b, figure), e.g. ``"step3/step2": ("step3", "step2",
@@ -307,8 +358,10 @@ def compare(raw: dict[str, list[dict]], ratios: dict[str, tuple[str, str, str]],
     records and batches (False: only the figures, for sweeps).
     """
     if not keep_records:
-        raw = {e: [{k: v for k, v in r.items() if k not in ("requests", "batches")} for r in runs]
-               for e, runs in raw.items()}
+        raw = {
+            e: [{k: v for k, v in r.items() if k not in ("requests", "batches")} for r in runs]
+            for e, runs in raw.items()
+        }
     return {
         "runs": raw,
         "median": {engine: harness.medians(runs) for engine, runs in raw.items()},

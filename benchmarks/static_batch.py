@@ -39,7 +39,11 @@ EQUAL_TOKEN_ID_SEED = 2000
 STEP2_MAX_REQUESTS = 2  # step 2 serves one request at a time: its throughput does not depend on B
 MIXED_BATCH_SIZE = 8
 WARMUP_TOKENS = 4  # a warm-up runs the same requests with at most this many new tokens
-QUICK = {"batch_sizes": [1, 8], "equal_max_tokens": 16, "mixed": {"n": 16, "max_prompt_tokens": 64, "max_tokens": 32}}
+QUICK = {
+    "batch_sizes": [1, 8],
+    "equal_max_tokens": 16,
+    "mixed": {"n": 16, "max_prompt_tokens": 64, "max_tokens": 32},
+}
 CONFIG_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "head_dim")
 ENGINES = {
     "step2": "step2_kvcache.LLM.generate: one request after another, batch 1",
@@ -51,13 +55,22 @@ ENGINES = {
 }
 
 
-def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False) -> dict:
+def main(
+    models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False
+) -> dict:
     """The CLI entry (``python -m benchmarks static_batch``): the full or quick workloads on each model."""
     if quick:
         q = QUICK["mixed"]
         mixed = workloads.take(workloads.load("mixed"), q["n"], q["max_prompt_tokens"], q["max_tokens"])
-        return run(models or DEFAULT_MODELS, device, runs=1, batch_sizes=QUICK["batch_sizes"],
-                   equal_max_tokens=QUICK["equal_max_tokens"], mixed=mixed, quick=True)
+        return run(
+            models or DEFAULT_MODELS,
+            device,
+            runs=1,
+            batch_sizes=QUICK["batch_sizes"],
+            equal_max_tokens=QUICK["equal_max_tokens"],
+            mixed=mixed,
+            quick=True,
+        )
     return run(models or DEFAULT_MODELS, device, runs=runs)
 
 
@@ -111,7 +124,14 @@ def run(
 
     def run(name: str) -> dict:
         return bench_model(
-            name, device, runs, batch_sizes, equal_prompt_tokens, equal_max_tokens, step2_max_requests, mixed,
+            name,
+            device,
+            runs,
+            batch_sizes,
+            equal_prompt_tokens,
+            equal_max_tokens,
+            step2_max_requests,
+            mixed,
             mixed_batch_size,
         )
 
@@ -119,23 +139,38 @@ def run(
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
-def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], equal_prompt_tokens: int,
-                equal_max_tokens: int, step2_max_requests: int, mixed: dict, mixed_batch_size: int) -> dict:
+def bench_model(
+    name: str,
+    device: str,
+    runs: int,
+    batch_sizes: list[int],
+    equal_prompt_tokens: int,
+    equal_max_tokens: int,
+    step2_max_requests: int,
+    mixed: dict,
+    mixed_batch_size: int,
+) -> dict:
     """Both workloads on one model: every run's figures, their medians and the ratios."""
     import step2_kvcache
     import step3_static_batch
 
     folder = snapshot(name)
     step2 = step2_kvcache.LLM(model=str(folder), device=device, dtype="float32")
-    step3 = step3_static_batch.LLM(model=str(folder), device=device, dtype="float32",
-                                   max_batch_size=max(batch_sizes + [mixed_batch_size]))
+    step3 = step3_static_batch.LLM(
+        model=str(folder),
+        device=device,
+        dtype="float32",
+        max_batch_size=max(batch_sizes + [mixed_batch_size]),
+    )
     hf = hf_model(folder, device)
     config = step3.config
 
     def engines(reqs: list[workloads.Request], batch_size: int, step2_reqs: list[workloads.Request]) -> dict:
         return {
             "step2": lambda: serving.summarise(serving.run_step2(step2, step2_kvcache, step2_reqs, device)),
-            "step3": lambda: serving.summarise(serving.run_step3(step3, step3_static_batch, reqs, batch_size, device)),
+            "step3": lambda: serving.summarise(
+                serving.run_step3(step3, step3_static_batch, reqs, batch_size, device)
+            ),
             "hf": lambda: serving.summarise(serving.run_hf(hf, reqs, batch_size, device)),
         }
 
@@ -164,11 +199,14 @@ def bench_model(name: str, device: str, runs: int, batch_sizes: list[int], equal
     warm = serving.warmup_requests(reqs, mixed_batch_size, WARMUP_TOKENS)
     serving.warm_up(engines(warm, mixed_batch_size, warm))
     raw = harness.alternate(engines(reqs, mixed_batch_size, reqs), runs, warmup=0)
-    mixed_point = serving.compare(raw, {
-        **throughput_ratios,
-        "step2/step3 latency": ("step2", "step3", "latency_mean_s"),
-        "hf/step3 latency": ("hf", "step3", "latency_mean_s"),
-    })
+    mixed_point = serving.compare(
+        raw,
+        {
+            **throughput_ratios,
+            "step2/step3 latency": ("step2", "step3", "latency_mean_s"),
+            "hf/step3 latency": ("hf", "step3", "latency_mean_s"),
+        },
+    )
 
     return {
         "snapshot": str(folder),
@@ -187,12 +225,20 @@ def targets(model: dict, workload: dict) -> list[dict]:
     eq = workload["equal_length"]
     mixed = model["mixed"]
     return [
-        {"label": f"step3 / step2 throughput, {b} equal-length requests", "target": ">= 3",
-         "value": sweep[b]["ratios"]["step3/step2"]["median"],
-         "full_size": b == 8 and (eq["prompt_tokens"], eq["max_tokens"]) == (EQUAL_PROMPT_TOKENS, EQUAL_MAX_TOKENS)},
-        {"label": f"step3 / HF batched throughput, mixed workload at batch {mixed['batch_size']}", "target": ">= 1.0",
-         "value": mixed["ratios"]["step3/hf"]["median"],
-         "full_size": mixed["batch_size"] == MIXED_BATCH_SIZE and "derived" not in workload["mixed"]["workload"]},
+        {
+            "label": f"step3 / step2 throughput, {b} equal-length requests",
+            "target": ">= 3",
+            "value": sweep[b]["ratios"]["step3/step2"]["median"],
+            "full_size": b == 8
+            and (eq["prompt_tokens"], eq["max_tokens"]) == (EQUAL_PROMPT_TOKENS, EQUAL_MAX_TOKENS),
+        },
+        {
+            "label": f"step3 / HF batched throughput, mixed workload at batch {mixed['batch_size']}",
+            "target": ">= 1.0",
+            "value": mixed["ratios"]["step3/hf"]["median"],
+            "full_size": mixed["batch_size"] == MIXED_BATCH_SIZE
+            and "derived" not in workload["mixed"]["workload"],
+        },
     ]
 
 
@@ -200,36 +246,79 @@ def report(result: dict) -> str:
     """The readable summary printed at the end: per model, two tables and the target lines."""
     lines = []
     machine, w = result["machine"], result["workload"]
-    lines.append(f"static_batch on {machine['device']} ({machine['cpu']}, {machine['torch_threads']} torch threads), "
-                 f"torch {machine['torch']}, transformers {machine['transformers']}, {w['runs']} run(s), medians")
+    lines.append(
+        f"static_batch on {machine['device']} ({machine['cpu']}, {machine['torch_threads']} torch threads), "
+        f"torch {machine['torch']}, transformers {machine['transformers']}, {w['runs']} run(s), medians"
+    )
     eq = w["equal_length"]
     for name, model in result["models"].items():
         c = model["config"]
-        lines.append(f"\n## {name}: {model['parameters'] / 1e6:.1f}M parameters, {c['n_layer']} layers, "
-                     f"{c['n_embd']} wide, {c['n_positions']} positions")
-        lines.append(f"\na. throughput (generated tok/s), B equal requests of {eq['prompt_tokens']} + "
-                     f"{eq['max_tokens']} tokens (step2 serves min(B, {eq['step2_max_requests']}) of them)")
+        lines.append(
+            f"\n## {name}: {model['parameters'] / 1e6:.1f}M parameters, {c['n_layer']} layers, "
+            f"{c['n_embd']} wide, {c['n_positions']} positions"
+        )
+        lines.append(
+            f"\na. throughput (generated tok/s), B equal requests of {eq['prompt_tokens']} + "
+            f"{eq['max_tokens']} tokens (step2 serves min(B, {eq['step2_max_requests']}) of them)"
+        )
         rows = []
         for p in model["equal_length"]:
             m, r = p["median"], p["ratios"]
-            rows.append([p["batch_size"], m["step2"]["throughput_tok_s"], m["step3"]["throughput_tok_s"],
-                         m["hf"]["throughput_tok_s"], r["step3/step2"]["median"], r["step3/hf"]["median"]])
+            rows.append(
+                [
+                    p["batch_size"],
+                    m["step2"]["throughput_tok_s"],
+                    m["step3"]["throughput_tok_s"],
+                    m["hf"]["throughput_tok_s"],
+                    r["step3/step2"]["median"],
+                    r["step3/hf"]["median"],
+                ]
+            )
         lines.append(harness.table(["B", "step2", "step3", "HF batched", "step3/step2", "step3/HF"], rows))
         mx = model["mixed"]
         s = w["mixed"]["summary"]
-        lines.append(f"\nb. mixed workload: {s['requests']} requests at time 0, prompts {s['prompt_tokens_range']}, "
-                     f"max_tokens {s['max_tokens_range']} ({s['max_tokens']} to generate), batch size {mx['batch_size']}")
+        lines.append(
+            f"\nb. mixed workload: {s['requests']} requests at time 0, prompts {s['prompt_tokens_range']}, "
+            f"max_tokens {s['max_tokens_range']} ({s['max_tokens']} to generate), batch size {mx['batch_size']}"
+        )
         rows = []
-        for engine, label in (("step2", "step2 (one by one)"), ("step3", "step3 (static)"), ("hf", "HF batched")):
+        for engine, label in (
+            ("step2", "step2 (one by one)"),
+            ("step3", "step3 (static)"),
+            ("hf", "HF batched"),
+        ):
             m = mx["median"][engine]
-            rows.append([label, m["throughput_tok_s"], m["latency_mean_s"], m["latency_p95_s"], m.get("ttft_p50_s"),
-                         m["computed_over_requested"], m["wall_s"]])
-        lines.append(harness.table(["engine", "tok/s", "latency mean s", "latency p95 s", "TTFT p50 s",
-                                    "computed/requested", "wall s"], rows))
+            rows.append(
+                [
+                    label,
+                    m["throughput_tok_s"],
+                    m["latency_mean_s"],
+                    m["latency_p95_s"],
+                    m.get("ttft_p50_s"),
+                    m["computed_over_requested"],
+                    m["wall_s"],
+                ]
+            )
+        lines.append(
+            harness.table(
+                [
+                    "engine",
+                    "tok/s",
+                    "latency mean s",
+                    "latency p95 s",
+                    "TTFT p50 s",
+                    "computed/requested",
+                    "wall s",
+                ],
+                rows,
+            )
+        )
         r = mx["ratios"]
-        lines.append(f"step3/step2 throughput {r['step3/step2']['median']:.2f}x, step3/HF {r['step3/hf']['median']:.2f}x; "
-                     f"mean latency step2/step3 {r['step2/step3 latency']['median']:.2f}x, "
-                     f"HF/step3 {r['hf/step3 latency']['median']:.2f}x")
+        lines.append(
+            f"step3/step2 throughput {r['step3/step2']['median']:.2f}x, step3/HF {r['step3/hf']['median']:.2f}x; "
+            f"mean latency step2/step3 {r['step2/step3 latency']['median']:.2f}x, "
+            f"HF/step3 {r['hf/step3 latency']['median']:.2f}x"
+        )
         lines.append("\ntargets")
         lines.extend(harness.target_line(**t) for t in targets(model, w))
     return "\n".join(lines)
@@ -245,18 +334,32 @@ def plot(result: dict, path: Path) -> Path:
     from matplotlib.patches import Patch
 
     # the colours of the other benchmarks: step3 orange (as in continuous), HF grey
-    engines = (("step2", "step2 (one by one)", "C0"), ("step3", "step3 (static batch)", "C1"), ("hf", "HF batched", "C7"))
+    engines = (
+        ("step2", "step2 (one by one)", "C0"),
+        ("step3", "step3 (static batch)", "C1"),
+        ("hf", "HF batched", "C7"),
+    )
     models = result["models"]
     fig, axes = plt.subplots(len(models), 3, figsize=(16, 4.6 * len(models)), squeeze=False)
     for row, (name, model) in zip(axes, models.items()):
         ax = row[0]
         sizes = [p["batch_size"] for p in model["equal_length"]]
         for engine, label, color in engines:
-            ax.plot(sizes, [p["median"][engine]["throughput_tok_s"] for p in model["equal_length"]], marker="o",
-                    label=label, color=color)
+            ax.plot(
+                sizes,
+                [p["median"][engine]["throughput_tok_s"] for p in model["equal_length"]],
+                marker="o",
+                label=label,
+                color=color,
+            )
         eq = result["workload"]["equal_length"]
-        ax.set(xscale="log", xlabel="batch size B (B requests at once)", ylabel="generated tokens / s", ylim=(0, None),
-               title=f"{name}: throughput, {eq['prompt_tokens']} + {eq['max_tokens']}-token requests")
+        ax.set(
+            xscale="log",
+            xlabel="batch size B (B requests at once)",
+            ylabel="generated tokens / s",
+            ylim=(0, None),
+            title=f"{name}: throughput, {eq['prompt_tokens']} + {eq['max_tokens']}-token requests",
+        )
         ax.set_xticks(sizes, [str(b) for b in sizes])
         ax.minorticks_off()
         ax.legend()
@@ -267,10 +370,18 @@ def plot(result: dict, path: Path) -> Path:
         tput = [mx["median"][e]["throughput_tok_s"] for e, _, _ in engines]
         bars = ax.bar(labels, tput, color=colors)
         for bar, (e, _, _) in zip(bars, engines):
-            ax.annotate(f"{mx['median'][e]['computed_over_requested']:.2f}x positions", (bar.get_x() + bar.get_width() / 2,
-                        bar.get_height()), ha="center", va="bottom", fontsize=9)
-        ax.set(ylabel="generated tokens / s", title=f"{name}: mixed workload, batch {mx['batch_size']}: throughput\n"
-               "(label: computed / requested token positions)")
+            ax.annotate(
+                f"{mx['median'][e]['computed_over_requested']:.2f}x positions",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
+        ax.set(
+            ylabel="generated tokens / s",
+            title=f"{name}: mixed workload, batch {mx['batch_size']}: throughput\n"
+            "(label: computed / requested token positions)",
+        )
         ax.margins(y=0.15)
         ax = row[2]
         x = range(len(engines))
@@ -280,9 +391,13 @@ def plot(result: dict, path: Path) -> Path:
         ax.bar([i + 0.2 for i in x], p95, width=0.4, color=colors, alpha=0.45, hatch="//")
         ax.set_xticks(list(x), labels)
         ax.set(ylabel="seconds from submit to last token", title=f"{name}: mixed workload: request latency")
-        ax.legend(handles=[Patch(color="0.4", label="mean"), Patch(facecolor="0.75", hatch="//", label="p95")])
+        ax.legend(
+            handles=[Patch(color="0.4", label="mean"), Patch(facecolor="0.75", hatch="//", label="p95")]
+        )
     machine = result["machine"]
-    fig.suptitle(f"Static batching benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads), "
-                 f"{machine['dtype']}, median of {result['workload']['runs']} run(s)")
+    fig.suptitle(
+        f"Static batching benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads), "
+        f"{machine['dtype']}, median of {result['workload']['runs']} run(s)"
+    )
     fig.tight_layout()
     return harness.save_figure(fig, path, dpi=110)

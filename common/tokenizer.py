@@ -31,7 +31,15 @@ GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}
 END_OF_TEXT = "<|endoftext|>"
 # The special tokens a Hugging Face tokenizer config can name, in the order in which transformers numbers
 # those that no file gives an id; then lists of more special tokens (the name before and since transformers 5).
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 EXTRA_SPECIAL_TOKENS = ("additional_special_tokens", "extra_special_tokens")
 
 
@@ -42,7 +50,11 @@ def byte_to_unicode() -> dict[int, str]:
     Printable Latin-1 bytes map to themselves; the other 68 (controls, space, NBSP, soft hyphen) map to
     the code points 256, 257, ... in byte order. vocab.json and merges.txt are written in these characters.
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     table = {b: chr(b) for b in printable}
     table.update({b: chr(256 + i) for i, b in enumerate(others)})
@@ -87,8 +99,14 @@ def read_added_tokens(folder: Path, vocab: dict[str, int]) -> list[AddedToken]:
         if not isinstance(decoder, dict):
             raise ValueError(f"{config_file}: added_tokens_decoder is not an object of id -> token")
         for key, entry in decoder.items():
-            if not key.isdecimal() or not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
-                raise ValueError(f"{config_file}: added_tokens_decoder[{key!r}] is not an id -> {{content, special, ...}} entry")
+            if (
+                not key.isdecimal()
+                or not isinstance(entry, dict)
+                or not isinstance(entry.get("content"), str)
+            ):
+                raise ValueError(
+                    f"{config_file}: added_tokens_decoder[{key!r}] is not an id -> {{content, special, ...}} entry"
+                )
             flags = (bool(entry.get(flag)) for flag in ("special", "lstrip", "rstrip"))
             added[entry["content"]] = AddedToken(int(key), entry["content"], *flags)
         named_by = {config_file: config}
@@ -126,7 +144,9 @@ def read_added_tokens(folder: Path, vocab: dict[str, int]) -> list[AddedToken]:
             continue  # the Tokenizer refuses a vocabulary without it
         else:
             token_id, next_id = next_id, next_id + 1
-        added[content] = AddedToken(token_id, content, True, bool(token.get("lstrip")), bool(token.get("rstrip")))
+        added[content] = AddedToken(
+            token_id, content, True, bool(token.get("lstrip")), bool(token.get("rstrip"))
+        )
     for token in added.values():
         if not token.content:
             raise ValueError(f"{folder}: added token {token.id} has an empty text")
@@ -175,7 +195,11 @@ class Tokenizer:
             with open(folder / "vocab.json", encoding="utf-8") as f:
                 vocab: dict[str, int] = json.load(f)
             with open(folder / "merges.txt", encoding="utf-8") as f:
-                merges = [line.split(" ") for line in f.read().splitlines() if line and not line.startswith("#version")]
+                merges = [
+                    line.split(" ")
+                    for line in f.read().splitlines()
+                    if line and not line.startswith("#version")
+                ]
         except FileNotFoundError as e:
             raise ValueError(f"{folder}: tokenizer file {Path(e.filename).name} is missing") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -186,12 +210,16 @@ class Tokenizer:
         char_to_byte = {ch: b for b, ch in byte_to_unicode().items()}
         missing = [ch for ch in char_to_byte if ch not in vocab]
         if missing:
-            raise ValueError(f"{folder}/vocab.json: lacks {len(missing)} of the 256 byte tokens, e.g. {missing[0]!r}")
+            raise ValueError(
+                f"{folder}/vocab.json: lacks {len(missing)} of the 256 byte tokens, e.g. {missing[0]!r}"
+            )
         ranks: dict[bytes, int] = {bytes([b]): vocab[ch] for ch, b in char_to_byte.items()}
         last_rank = -1
         for number, merge in enumerate(merges, start=1):
             if len(merge) != 2:
-                raise ValueError(f"{folder}/merges.txt: merge {number} is {' '.join(merge)!r}, expected two tokens")
+                raise ValueError(
+                    f"{folder}/merges.txt: merge {number} is {' '.join(merge)!r}, expected two tokens"
+                )
             left, right = merge
             token = left + right
             if token not in vocab:
@@ -200,7 +228,9 @@ class Tokenizer:
             if rank <= last_rank:
                 raise ValueError(f"{folder}: token ids do not follow merges.txt order at {token!r}")
             if not set(token) <= char_to_byte.keys():
-                raise ValueError(f"{folder}/merges.txt: merge {number} has characters outside GPT-2's byte alphabet")
+                raise ValueError(
+                    f"{folder}/merges.txt: merge {number} has characters outside GPT-2's byte alphabet"
+                )
             ranks[_token_bytes(token, char_to_byte)] = last_rank = rank
         added = read_added_tokens(folder, vocab)
         eos = [token.id for token in added if token.content == END_OF_TEXT]
@@ -216,18 +246,25 @@ class Tokenizer:
         self._added_ids = [token.id for token in added]
         self._added_pattern = re.compile(
             "|".join(
-                (r"\s*" if token.lstrip else "") + f"({re.escape(token.content)})" + (r"\s*" if token.rstrip else "")
+                (r"\s*" if token.lstrip else "")
+                + f"({re.escape(token.content)})"
+                + (r"\s*" if token.rstrip else "")
                 for token in added
             )
         )
         # Decoding is a table lookup, id -> bytes: vocab.json's tokens, then the added tokens' text.
         self._id_to_bytes: dict[int, bytes] = {
-            i: _token_bytes(tok, char_to_byte) if set(tok) <= char_to_byte.keys() else tok.encode() for tok, i in vocab.items()
+            i: _token_bytes(tok, char_to_byte) if set(tok) <= char_to_byte.keys() else tok.encode()
+            for tok, i in vocab.items()
         }
         self._id_to_bytes.update({token.id: token.content.encode() for token in added})
         self.eos_token_id: int = eos[0]
-        self.special_token_ids: set[int] = {token.id for token in added if token.special} | {self.eos_token_id}
-        self.vocab_size: int = len(vocab)  # vocab.json's tokens, as HF's vocab_size; len(tokenizer) adds the added ones
+        self.special_token_ids: set[int] = {token.id for token in added if token.special} | {
+            self.eos_token_id
+        }
+        self.vocab_size: int = len(
+            vocab
+        )  # vocab.json's tokens, as HF's vocab_size; len(tokenizer) adds the added ones
 
     def __len__(self) -> int:
         """How many ids have a text: vocab.json's and the added tokens' (HF's ``len(tokenizer)``)."""

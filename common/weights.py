@@ -93,7 +93,9 @@ class GPT2Config:
             raise ValueError(f"{path}: model_type is {raw['model_type']!r}, only 'gpt2' is supported")
         activation = raw.get("activation_function", "gelu_new")
         if activation not in GELU_APPROXIMATION:
-            raise ValueError(f"{path}: activation_function {activation!r} is not one of {sorted(GELU_APPROXIMATION)}")
+            raise ValueError(
+                f"{path}: activation_function {activation!r} is not one of {sorted(GELU_APPROXIMATION)}"
+            )
         unsupported = {  # options of HF's GPT2Config that change the computation, at their non-default values
             "scale_attn_by_inverse_layer_idx": True,
             "reorder_and_upcast_attn": True,
@@ -110,9 +112,13 @@ class GPT2Config:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{path}: {name}={value!r}, expected an integer >= 1")
         if sizes["n_embd"] % sizes["n_head"]:
-            raise ValueError(f"{path}: n_embd={sizes['n_embd']} is not a multiple of n_head={sizes['n_head']}")
+            raise ValueError(
+                f"{path}: n_embd={sizes['n_embd']} is not a multiple of n_head={sizes['n_head']}"
+            )
         if raw.get("n_inner") not in (None, 4 * sizes["n_embd"]):
-            raise ValueError(f"{path}: n_inner={raw['n_inner']!r} is not supported (the MLP is 4 x n_embd wide)")
+            raise ValueError(
+                f"{path}: n_inner={raw['n_inner']!r} is not supported (the MLP is 4 x n_embd wide)"
+            )
         eps = raw.get("layer_norm_epsilon", 1e-5)
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
             raise ValueError(f"{path}: layer_norm_epsilon={eps!r}, expected a number in (0, 1)")
@@ -144,7 +150,9 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     if local.is_dir():
         return _checked_folder(local, spec)
     if local.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not spec.strip():
-        raise ValueError(f"model {spec!r}: no such folder (expected a folder with config.json and *.safetensors)")
+        raise ValueError(
+            f"model {spec!r}: no such folder (expected a folder with config.json and *.safetensors)"
+        )
     return _checked_folder(_download(MODEL_ALIASES.get(spec, spec)), spec)
 
 
@@ -161,9 +169,13 @@ def _download(repo_id: str) -> Path:
     try:
         info = HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
     except RepositoryNotFoundError:
-        raise ValueError(f"model {repo_id!r}: no such model on the Hugging Face Hub (or it is private)") from None
+        raise ValueError(
+            f"model {repo_id!r}: no such model on the Hugging Face Hub (or it is private)"
+        ) from None
     except HFValidationError:
-        raise ValueError(f"model {repo_id!r}: neither a local folder nor a valid Hub id (such as 'gpt2')") from None
+        raise ValueError(
+            f"model {repo_id!r}: neither a local folder nor a valid Hub id (such as 'gpt2')"
+        ) from None
     except Exception as e:  # connection refused, DNS failure, time-out, HF_HUB_OFFLINE=1, Hub error 5xx
         raise ConnectionError(
             f"model {repo_id!r}: the Hugging Face Hub could not be reached ({type(e).__name__}) and the model "
@@ -175,7 +187,10 @@ def _download(repo_id: str) -> Path:
 
 def missing_files(folder: Path) -> list[str]:
     missing = [name for name in ("config.json", "vocab.json", "merges.txt") if not (folder / name).is_file()]
-    if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
+    if (
+        not (folder / "model.safetensors").is_file()
+        and not (folder / "model.safetensors.index.json").is_file()
+    ):
         missing.append("model.safetensors (or model.safetensors.index.json with its shards)")
     return missing
 

@@ -42,16 +42,61 @@ VAL_EVERY = 50  # every 50th document (sorted by path) is held out for validatio
 #   "signature" the argument line(s) are an API signature: drop them, keep the description below
 #   a string with "{}" a version note: "{}" is filled with the arguments (e.g. "Changed in version 3.2")
 PROSE_DIRECTIVES: dict[str, str] = {
-    **{name: "prose" for name in (
-        "note", "warning", "seealso", "impl-detail", "important", "caution", "attention", "danger",
-        "error", "hint", "tip", "admonition", "topic", "sidebar", "epigraph", "glossary", "rubric",
-    )},
-    **{name: "signature" for name in (
-        "function", "method", "class", "attribute", "data", "exception", "decorator", "decoratormethod",
-        "classmethod", "staticmethod", "abstractmethod", "coroutinefunction", "coroutinemethod",
-        "awaitablefunction", "awaitablemethod", "object", "describe", "cmdoption", "option", "envvar",
-        "opcode", "pdbcommand", "c:function", "c:member", "c:type", "c:var", "c:macro", "c:struct",
-    )},
+    **{
+        name: "prose"
+        for name in (
+            "note",
+            "warning",
+            "seealso",
+            "impl-detail",
+            "important",
+            "caution",
+            "attention",
+            "danger",
+            "error",
+            "hint",
+            "tip",
+            "admonition",
+            "topic",
+            "sidebar",
+            "epigraph",
+            "glossary",
+            "rubric",
+        )
+    },
+    **{
+        name: "signature"
+        for name in (
+            "function",
+            "method",
+            "class",
+            "attribute",
+            "data",
+            "exception",
+            "decorator",
+            "decoratormethod",
+            "classmethod",
+            "staticmethod",
+            "abstractmethod",
+            "coroutinefunction",
+            "coroutinemethod",
+            "awaitablefunction",
+            "awaitablemethod",
+            "object",
+            "describe",
+            "cmdoption",
+            "option",
+            "envvar",
+            "opcode",
+            "pdbcommand",
+            "c:function",
+            "c:member",
+            "c:type",
+            "c:var",
+            "c:macro",
+            "c:struct",
+        )
+    },
     "versionadded": "New in version {}.",
     "versionchanged": "Changed in version {}:",
     "deprecated": "Deprecated since version {}:",
@@ -61,26 +106,26 @@ PROSE_DIRECTIVES: dict[str, str] = {
 # Every other directive (index, toctree, only, code-block, doctest, module, productionlist, tables,
 # images, include, ...) is dropped together with its indented block.
 
-LABEL_RE = re.compile(r"^\.\.\s+_[^:]*:")                  # .. _foo:   and   .. _foo: https://...
+LABEL_RE = re.compile(r"^\.\.\s+_[^:]*:")  # .. _foo:   and   .. _foo: https://...
 DIRECTIVE_RE = re.compile(r"^\.\.\s+([\w:-]+)::\s*(.*)$")  # .. name:: arguments
-FOOTNOTE_RE = re.compile(r"^\.\.\s+\[[^\]]+\]\s*(.*)$")    # .. [#] text   /   .. [1] text
-OPTION_RE = re.compile(r"^:[\w-]+:(\s|$)")                 # :maxdepth: 2   (a directive option)
+FOOTNOTE_RE = re.compile(r"^\.\.\s+\[[^\]]+\]\s*(.*)$")  # .. [#] text   /   .. [1] text
+OPTION_RE = re.compile(r"^:[\w-]+:(\s|$)")  # :maxdepth: 2   (a directive option)
 ADORNMENT_RE = re.compile(r"^([=\-~*^\"'`#+:._<>])\1{2,}\s*$")  # ====  ----  ****  heading lines
-SIMPLE_TABLE_RE = re.compile(r"^=+( +=+)+\s*$")             # ===== =====   (simple table border)
-GRID_TABLE_RE = re.compile(r"^\+[-=+]+\+?\s*$")              # +-----+-----+ (grid table border)
+SIMPLE_TABLE_RE = re.compile(r"^=+( +=+)+\s*$")  # ===== =====   (simple table border)
+GRID_TABLE_RE = re.compile(r"^\+[-=+]+\+?\s*$")  # +-----+-----+ (grid table border)
 BULLET_RE = re.compile(r"^([-*+•]|#\.|\d+\.|[a-zA-Z]\.|\(?\d+\)|\(?[a-z]\))\s+")
 
 # Inline markup.
 ROLE_RE = re.compile(r"(?::[\w-]+)?:([\w-]+):`((?:[^`\\]|\\.)+?)`")
 LITERAL_RE = re.compile(r"``(.+?)``")
-LINK_RE = re.compile(r"`([^`<]*?)\s*<[^`>]*>`__?")         # `text <url>`_   `text <url>`__
-REF_RE = re.compile(r"`([^`]+)`(?:__?)?")                  # `text`_   or the default role `text`
+LINK_RE = re.compile(r"`([^`<]*?)\s*<[^`>]*>`__?")  # `text <url>`_   `text <url>`__
+REF_RE = re.compile(r"`([^`]+)`(?:__?)?")  # `text`_   or the default role `text`
 STRONG_RE = re.compile(r"\*\*(\S(?:.*?\S)?)\*\*")
 EMPHASIS_RE = re.compile(r"(?<![\w*\\])\*(\S(?:[^*]*?\S)?)\*(?![\w*])")
 FOOTNOTE_REF_RE = re.compile(r"\s*\[(?:#\w*|\d+|\*)\]_")
 SUBSTITUTION_RE = re.compile(r"\|([\w-]+)\|")
 SUBSTITUTIONS = {"version": "3.11", "release": "3.11"}
-LABEL_NAME_RE = re.compile(r"^\.\.\s+_([^:`]+):\s*$")   # a label without a URL: a cross-reference target
+LABEL_NAME_RE = re.compile(r"^\.\.\s+_([^:`]+):\s*$")  # a label without a URL: a cross-reference target
 
 # What :ref:`label` and :doc:`page` show when they carry no explicit title: the title of the section
 # or page they point at. Filled by collect_titles() before any file is converted.
@@ -221,7 +266,7 @@ def convert(lines: list[str]) -> list[str]:
         if stripped.startswith(".. ") or stripped == "..":  # explicit markup: directive, label, comment
             flush()
             end = block_end(lines, i + 1)
-            out.extend(convert_explicit(lines[i], lines[i + 1:end]))
+            out.extend(convert_explicit(lines[i], lines[i + 1 : end]))
             i = end
             continue
         if stripped.startswith(">>>"):  # a doctest session runs to the next blank line
@@ -251,7 +296,7 @@ def convert(lines: list[str]) -> list[str]:
         if bullet and (not paragraph or bullet.group(1) in "-*+•"):  # a list item and its continuation
             flush()
             end = block_end(lines, i + 1)
-            item = [" " * bullet.end() + line[bullet.end():]] + lines[i + 1:end]
+            item = [" " * bullet.end() + line[bullet.end() :]] + lines[i + 1 : end]
             out.extend(convert(dedent(item)))
             i = end
             continue
@@ -348,8 +393,9 @@ def convert_file(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path,
-                        help="the unpacked python3.11-doc package (dpkg -x python3.11-doc_*.deb FOLDER)")
+    parser.add_argument(
+        "folder", type=Path, help="the unpacked python3.11-doc package (dpkg -x python3.11-doc_*.deb FOLDER)"
+    )
     parser.add_argument("--out", type=Path, default=Path("demo/data"), help="output folder")
     args = parser.parse_args()
 

@@ -46,8 +46,12 @@ def encode_corpus(path: Path, tokenizer: GPT2TokenizerFast) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Tokenize train.txt / val.txt into uint16 .bin files.")
     parser.add_argument("--data", type=Path, default=Path("demo/data"), help="folder with train.txt, val.txt")
-    parser.add_argument("--tokenizer", type=Path, default=Path("demo/data/tokenizer"),
-                        help="folder with vocab.json and merges.txt")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=Path("demo/data/tokenizer"),
+        help="folder with vocab.json and merges.txt",
+    )
     args = parser.parse_args()
 
     tokenizer = GPT2TokenizerFast.from_pretrained(str(args.tokenizer))

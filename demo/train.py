@@ -71,8 +71,9 @@ def load_tokens(path: Path, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(ids).to(device)
 
 
-def random_windows(tokens: torch.Tensor, batch_size: int, context: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_windows(
+    tokens: torch.Tensor, batch_size: int, context: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``batch_size`` windows of ``context + 1`` tokens at random offsets.
 
     Returns:
@@ -80,7 +81,7 @@ def random_windows(tokens: torch.Tensor, batch_size: int, context: int,
     """
     starts = torch.randint(len(tokens) - context - 1, (batch_size,), generator=generator)
     offsets = starts.to(tokens.device)[:, None] + torch.arange(context + 1, device=tokens.device)  # [B, T+1]
-    window = tokens[offsets]                                                                      # [B, T+1]
+    window = tokens[offsets]  # [B, T+1]
     return window[:, :-1], window[:, 1:]
 
 
@@ -93,13 +94,14 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 def lm_loss(model: GPT2LMHeadModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in nats: x, y [B, T] -> scalar (the logits are upcast to fp32)."""
-    logits = model(input_ids=x).logits                                      # [B, T, V]
+    logits = model(input_ids=x).logits  # [B, T, V]
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
 @torch.no_grad()
-def evaluate(model: GPT2LMHeadModel, tokens: torch.Tensor, context: int, batch_size: int,
-             device: torch.device) -> float:
+def evaluate(
+    model: GPT2LMHeadModel, tokens: torch.Tensor, context: int, batch_size: int, device: torch.device
+) -> float:
     """Mean loss (nats per token) over consecutive, non-overlapping windows covering ``tokens``.
 
     Deterministic: the same tokens give the same number at every call. Dropout is off (eval mode).
@@ -110,8 +112,8 @@ def evaluate(model: GPT2LMHeadModel, tokens: torch.Tensor, context: int, batch_s
     starts = torch.arange(n_windows, device=tokens.device) * context
     total, count = 0.0, 0
     for i in range(0, n_windows, batch_size):
-        offsets = starts[i:i + batch_size, None] + torch.arange(context + 1, device=tokens.device)
-        window = tokens[offsets]                                            # [b, T+1]
+        offsets = starts[i : i + batch_size, None] + torch.arange(context + 1, device=tokens.device)
+        window = tokens[offsets]  # [b, T+1]
         with autocast(device):
             loss = lm_loss(model, window[:, :-1], window[:, 1:])
         total += loss.item() * window.numel()
@@ -128,8 +130,9 @@ def learning_rate(step: int, peak: float, warmup: int, total: int, min_ratio: fl
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: GPT2LMHeadModel, lr: float, weight_decay: float,
-                   device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(
+    model: GPT2LMHeadModel, lr: float, weight_decay: float, device: torch.device
+) -> torch.optim.AdamW:
     """AdamW with weight decay on the matrices (ndim >= 2) only; fused kernel on CUDA."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -140,8 +143,9 @@ def make_optimizer(model: GPT2LMHeadModel, lr: float, weight_decay: float,
 
 
 @torch.no_grad()
-def greedy_samples(model: GPT2LMHeadModel, tokenizer_dir: Path, device: torch.device,
-                   max_new_tokens: int = 40) -> dict[str, str]:
+def greedy_samples(
+    model: GPT2LMHeadModel, tokenizer_dir: Path, device: torch.device, max_new_tokens: int = 40
+) -> dict[str, str]:
     """Greedy continuations of ``PROMPTS`` (prompt -> generated text), with the HF tokenizer."""
     from transformers import GPT2TokenizerFast
 
@@ -149,10 +153,15 @@ def greedy_samples(model: GPT2LMHeadModel, tokenizer_dir: Path, device: torch.de
     model.eval()
     samples = {}
     for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)      # [1, T]
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=EOS_ID, attention_mask=torch.ones_like(ids))
-        samples[prompt] = tokenizer.decode(out[0, ids.size(1):])
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)  # [1, T]
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=EOS_ID,
+            attention_mask=torch.ones_like(ids),
+        )
+        samples[prompt] = tokenizer.decode(out[0, ids.size(1) :])
     return samples
 
 
@@ -160,8 +169,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Train the demo GPT-2 on train.bin / val.bin.")
     parser.add_argument("--data", type=Path, default=Path("demo/data"), help="folder with train.bin, val.bin")
     parser.add_argument("--out", type=Path, default=Path("demo/data/run"), help="output snapshot folder")
-    parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="folder with vocab.json, merges.txt: copied into --out, used for samples")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="folder with vocab.json, merges.txt: copied into --out, used for samples",
+    )
     parser.add_argument("--steps", type=int, default=5000, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="windows of 512 tokens per step")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -171,8 +184,12 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--eval-interval", type=int, default=100, help="steps between validation runs")
     parser.add_argument("--log-interval", type=int, default=50, help="steps between progress lines")
-    parser.add_argument("--time-limit", type=float, default=None,
-                        help="stop after this many seconds of training (the best weights so far are saved)")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="stop after this many seconds of training (the best weights so far are saved)",
+    )
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -194,7 +211,7 @@ def main() -> None:
     # a fixed sample of training windows, to measure the train loss the same way as the val loss
     # (as many 512-token chunks as val.bin holds, evenly spaced over train.bin, concatenated)
     probe_starts = torch.linspace(0, len(train_tokens) - context - 1, max(2, len(val_tokens) // context))
-    train_probe = torch.cat([train_tokens[int(s):int(s) + context] for s in probe_starts])
+    train_probe = torch.cat([train_tokens[int(s) : int(s) + context] for s in probe_starts])
 
     best = {"val_loss": float("inf"), "step": 0, "state": None}
     tokens_per_step = args.batch_size * context
@@ -206,7 +223,7 @@ def main() -> None:
         lr = learning_rate(step - 1, args.lr, args.warmup, args.steps, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = random_windows(train_tokens, args.batch_size, context, generator)   # [B, T], [B, T]
+        x, y = random_windows(train_tokens, args.batch_size, context, generator)  # [B, T], [B, T]
         with autocast(device):
             loss = lm_loss(model, x, y)
         optimizer.zero_grad(set_to_none=True)
@@ -222,17 +239,24 @@ def main() -> None:
             n_steps = args.log_interval if step > 1 else 1
             ms = (now - last_log) * 1000 / n_steps
             last_log = now
-            print(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
-                  f"grad norm {grad_norm.item():.2f} | {ms:6.1f} ms/step | "
-                  f"{tokens_per_step / ms * 1000:,.0f} tok/s")
+            print(
+                f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                f"grad norm {grad_norm.item():.2f} | {ms:6.1f} ms/step | "
+                f"{tokens_per_step / ms * 1000:,.0f} tok/s"
+            )
         if step % args.eval_interval == 0 or step == args.steps or out_of_time:
             val_loss = evaluate(model, val_tokens, context, 64, device)
             improved = val_loss < best["val_loss"]
             if improved:
-                best = {"val_loss": val_loss, "step": step,
-                        "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}}
-            print(f"eval step {step:5d} | val loss {val_loss:.4f} | val ppl {math.exp(val_loss):.2f}"
-                  f"{' | best' if improved else ''} | epochs {step * tokens_per_step / len(train_tokens):.1f}")
+                best = {
+                    "val_loss": val_loss,
+                    "step": step,
+                    "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+                }
+            print(
+                f"eval step {step:5d} | val loss {val_loss:.4f} | val ppl {math.exp(val_loss):.2f}"
+                f"{' | best' if improved else ''} | epochs {step * tokens_per_step / len(train_tokens):.1f}"
+            )
             last_log = time.time()
         if out_of_time:
             print(f"time limit of {args.time_limit:.0f} s reached at step {step}: stopping")
@@ -244,8 +268,10 @@ def main() -> None:
     model.load_state_dict(best["state"])
     val_loss = evaluate(model, val_tokens, context, 64, device)
     train_loss = evaluate(model, train_probe, context, 64, device)
-    print(f"saved weights: step {best['step']} | train loss {train_loss:.4f} | val loss {val_loss:.4f} | "
-          f"val ppl {math.exp(val_loss):.2f} | uniform ppl {VOCAB_SIZE} (loss {math.log(VOCAB_SIZE):.4f})")
+    print(
+        f"saved weights: step {best['step']} | train loss {train_loss:.4f} | val loss {val_loss:.4f} | "
+        f"val ppl {math.exp(val_loss):.2f} | uniform ppl {VOCAB_SIZE} (loss {math.log(VOCAB_SIZE):.4f})"
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.to(torch.float32).save_pretrained(args.out, safe_serialization=True)
@@ -273,7 +299,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "loss_note": "train/val loss: mean next-token cross-entropy in nats, eval mode, 512-token windows; "
-                     "train on a fixed sample of train.bin the size of val.bin",
+        "train on a fixed sample of train.bin the size of val.bin",
     }
     if args.tokenizer is not None:
         metrics["greedy_samples"] = greedy_samples(model, args.tokenizer, device)

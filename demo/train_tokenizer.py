@@ -42,8 +42,11 @@ def gpt2_byte_order() -> list[int]:
 
     Printable bytes come first (they map to themselves as characters), then the rest in increasing order.
     """
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
         + list(range(ord("®"), ord("ÿ") + 1))
+    )
     others = [b for b in range(256) if b not in printable]
     return printable + others
 
@@ -152,9 +155,11 @@ def main() -> None:
     learned = train_bpe(read_documents(args.data / "train.txt"), VOCAB_SIZE + TRAINER_SLACK)
     vocab, merges = renumber(learned, N_MERGES)
     kept = set(merges)
-    skipped = sum(1 for m in learned[:len(merges)] if m not in kept)
-    print(f"learned {len(learned)} merges, kept {len(merges)} ({skipped} duplicates skipped), "
-          f"vocab {len(vocab)}")
+    skipped = sum(1 for m in learned[: len(merges)] if m not in kept)
+    print(
+        f"learned {len(learned)} merges, kept {len(merges)} ({skipped} duplicates skipped), "
+        f"vocab {len(vocab)}"
+    )
     save_gpt2_files(vocab, merges, args.out)
 
     documents = list(read_documents(args.data / "train.txt"))
@@ -164,8 +169,10 @@ def main() -> None:
     tok.model_max_length = 10**9  # documents are longer than the model's context: no warning
     n_chars = sum(len(d) for d in documents)
     n_tokens = sum(len(ids) for ids in tok(documents)["input_ids"])
-    print(f"train.txt: {n_chars / 1e6:.2f} M characters -> {n_tokens / 1e6:.2f} M tokens "
-          f"({n_chars / n_tokens:.2f} characters a token)")
+    print(
+        f"train.txt: {n_chars / 1e6:.2f} M characters -> {n_tokens / 1e6:.2f} M tokens "
+        f"({n_chars / n_tokens:.2f} characters a token)"
+    )
 
 
 if __name__ == "__main__":

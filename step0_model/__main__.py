@@ -1,7 +1,7 @@
 """python -m step0_model "text": the model's top next tokens for a text, optionally checked against HF.
 
-    python -m step0_model "The Python interpreter" --top 10
-    python -m step0_model "The Python interpreter" --check     # also loads HF GPT2LMHeadModel, prints max |diff|
+python -m step0_model "The Python interpreter" --top 10
+python -m step0_model "The Python interpreter" --check     # also loads HF GPT2LMHeadModel, prints max |diff|
 """
 
 from __future__ import annotations
@@ -29,12 +29,22 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(
-        prog="python -m step0_model", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="python -m step0_model",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("prompt", help="the text whose next token is predicted")
-    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder")
-    parser.add_argument("--top", type=int, default=10, help="how many of the most likely next tokens to print")
-    parser.add_argument("--check", action="store_true", help="compare all logits with Hugging Face GPT2LMHeadModel")
+    parser.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder",
+    )
+    parser.add_argument(
+        "--top", type=int, default=10, help="how many of the most likely next tokens to print"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="compare all logits with Hugging Face GPT2LMHeadModel"
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     return parser.parse_args(argv)
@@ -43,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.device.split(":")[0] not in ("cpu", "cuda") or (args.device.startswith("cuda") and not torch.cuda.is_available()):
+        if args.device.split(":")[0] not in ("cpu", "cuda") or (
+            args.device.startswith("cuda") and not torch.cuda.is_available()
+        ):
             raise ValueError(f"--device {args.device}: must be cpu, or cuda on a machine with a CUDA GPU")
         folder = resolve_model(args.model)
         tokenizer = Tokenizer(folder)
@@ -52,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         if not ids:
             raise ValueError("prompt: must contain at least one token")
         if max(ids) >= model.config.vocab_size:  # a tokenizer may name more tokens than the model embeds
-            raise ValueError(f"prompt: token id {max(ids)} is outside the model's vocabulary of {model.config.vocab_size}")
+            raise ValueError(
+                f"prompt: token id {max(ids)} is outside the model's vocabulary of {model.config.vocab_size}"
+            )
         if len(ids) > model.config.n_positions:
-            raise ValueError(f"prompt: {len(ids)} tokens, more than the context window of {model.config.n_positions}")
+            raise ValueError(
+                f"prompt: {len(ids)} tokens, more than the context window of {model.config.n_positions}"
+            )
         if args.top < 1:
             raise ValueError("--top: must be >= 1")
     except (ValueError, ConnectionError) as e:

@@ -42,7 +42,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D], softmax(q k^T / sqrt(D)) v
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True
+        )  # [B, H, T, D], softmax(q k^T / sqrt(D)) v
         y = y.transpose(1, 2).reshape(B, T, C)  # [B, T, C], heads side by side again
         return self.c_proj(y)
 
@@ -123,7 +125,11 @@ class GPT(nn.Module):
             if name in found:  # saved twice: the LM head beside the embedding, or with and without the prefix
                 first_name, first = found[name]
                 if not torch.equal(first, tensor):
-                    untied = ": an untied LM head, which GPT-2's tied weights cannot represent" if name == "wte.weight" else ""
+                    untied = (
+                        ": an untied LM head, which GPT-2's tied weights cannot represent"
+                        if name == "wte.weight"
+                        else ""
+                    )
                     raise ValueError(f"checkpoint tensors {first_name!r} and {hf_name!r} differ{untied}")
                 continue
             found[name] = (hf_name, tensor)
@@ -135,14 +141,18 @@ class GPT(nn.Module):
                 # reads faster at batch 1 than nn.Linear's own (step 2's README has the numbers).
                 tensor = tensor.t()
             if tensor.shape != own[name].shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}"
+                )
             own[name].data = tensor.to(device=own[name].device, dtype=own[name].dtype, copy=True)
         missing = sorted(set(own) - set(found))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
     @classmethod
-    def from_pretrained(cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+    def from_pretrained(
+        cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> GPT:
         """Build the model of a snapshot (see ``common.weights.resolve_model``) and load its weights.
 
         The modules are created on the "meta" device (no memory, no random init) and then given

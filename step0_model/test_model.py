@@ -64,7 +64,9 @@ def test_demo_predicts_in_domain_text(demo_snapshot):
     from common.tokenizer import Tokenizer
 
     tok = Tokenizer(demo_snapshot)
-    ids = torch.tensor([tok.encode("The Python interpreter reads the source code of a module and executes it.")])
+    ids = torch.tensor(
+        [tok.encode("The Python interpreter reads the source code of a module and executes it.")]
+    )
     with torch.inference_mode():
         logits = GPT.from_pretrained(str(demo_snapshot))(ids)
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
@@ -78,7 +80,9 @@ def as_gpt2model_layout(src, dst):
     tensors = {k.removeprefix("transformer."): v for k, v in load_file(src / "model.safetensors").items()}
     cfg = load_config(src)
     for i in range(cfg.n_layer):
-        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(cfg.n_positions, cfg.n_positions)).view(1, 1, cfg.n_positions, cfg.n_positions)
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(cfg.n_positions, cfg.n_positions)).view(
+            1, 1, cfg.n_positions, cfg.n_positions
+        )
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     for name in ("config.json", "vocab.json", "merges.txt"):
         (dst / name).write_bytes((src / name).read_bytes())
@@ -94,7 +98,10 @@ def test_loads_hub_layout_and_shards(tiny_snapshot, tmp_path):
     for name in ("vocab.json", "merges.txt"):
         (sharded / name).write_bytes((tiny_snapshot / name).read_bytes())
     assert (sharded / "model.safetensors.index.json").is_file()
-    assert len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    assert (
+        len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        > 1
+    )
     for folder in (hub_layout, sharded):
         loaded = GPT.from_pretrained(str(folder)).state_dict()
         assert loaded.keys() == reference.keys()
@@ -133,7 +140,9 @@ def test_bad_checkpoints_raise_value_error(tiny_snapshot, tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_top_tokens_and_check(tiny_snapshot):

@@ -77,12 +77,16 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, returned by the next step
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
         """Queue a request; ``prompt`` is a text or a list of token ids. Raises ValueError (see
         ``make_sequence``) before the request enters the queue."""
         self.add_sequence(self.make_sequence(request_id, prompt, sampling_params))
 
-    def make_sequence(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
+    def make_sequence(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> Sequence:
         """Tokenize and check one request, the one place where requests are validated; queues nothing.
 
         Raises ValueError if the id is in use, the prompt or the parameters are bad, or the request can
@@ -101,7 +105,9 @@ class LLMEngine:
         if len(ids) == 0:
             raise ValueError("prompt is empty; give at least one token")
         if not all(0 <= t < vocab for t in ids):
-            field = "prompt" if text is not None else "prompt_token_ids"  # a text can hold added tokens the model lacks
+            field = (
+                "prompt" if text is not None else "prompt_token_ids"
+            )  # a text can hold added tokens the model lacks
             raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(

@@ -41,7 +41,9 @@ class KVCache:
         """
         start, end = self.length, self.length + k.shape[2]
         if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {start} cached + {k.shape[2]} new tokens > capacity {self.capacity}")
+            raise RuntimeError(
+                f"KV cache overflow: {start} cached + {k.shape[2]} new tokens > capacity {self.capacity}"
+            )
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

@@ -78,7 +78,9 @@ class LLM:
         """
         return _text_deltas(self.stream_outputs(prompt, sampling_params))
 
-    def stream_outputs(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream_outputs(
+        self, prompt: str, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Like ``stream``, but yield a ``RequestOutput`` after every token, carrying what is new (DELTA).
 
         The request enters the engine when the first output is asked for, and leaves it when the stream
@@ -129,14 +131,18 @@ class LLM:
         else:
             if hasattr(prompt_token_ids, "tolist"):  # a numpy array or a torch tensor: [T] or [B, T]
                 prompt_token_ids = prompt_token_ids.tolist()
-            if prompt_token_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            if prompt_token_ids and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
+            ):
                 prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list
             prompts = list(prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
-        if not isinstance(sampling_params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
             raise ValueError("sampling_params: expected SamplingParams or a list of them")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
@@ -151,7 +157,9 @@ class LLM:
 
 
 def _text_deltas(outputs: Iterator[RequestOutput]) -> Iterator[str]:
-    with contextlib.closing(outputs):  # closing this stream closes the request's own at once, not at garbage collection
+    with contextlib.closing(
+        outputs
+    ):  # closing this stream closes the request's own at once, not at garbage collection
         for out in outputs:
             if out.outputs[0].text:
                 yield out.outputs[0].text

@@ -102,7 +102,9 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, kv_cache: KVCache | None = None, last_only: bool = False
+    ) -> torch.Tensor:
         """Logits for every new position, or only the last.
 
         input_ids: [B, T] int64 ids of the new tokens, which follow the kv_cache.length cached ones (B = 1
@@ -143,7 +145,11 @@ class GPT(nn.Module):
             if name in found:  # saved twice: the LM head beside the embedding, or with and without the prefix
                 first_name, first = found[name]
                 if not torch.equal(first, tensor):
-                    untied = ": an untied LM head, which GPT-2's tied weights cannot represent" if name == "wte.weight" else ""
+                    untied = (
+                        ": an untied LM head, which GPT-2's tied weights cannot represent"
+                        if name == "wte.weight"
+                        else ""
+                    )
                     raise ValueError(f"checkpoint tensors {first_name!r} and {hf_name!r} differ{untied}")
                 continue
             found[name] = (hf_name, tensor)
@@ -155,14 +161,18 @@ class GPT(nn.Module):
                 # reads faster at batch 1 than nn.Linear's own (step 2's README has the numbers).
                 tensor = tensor.t()
             if tensor.shape != own[name].shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}"
+                )
             own[name].data = tensor.to(device=own[name].device, dtype=own[name].dtype, copy=True)
         missing = sorted(set(own) - set(found))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
     @classmethod
-    def from_pretrained(cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+    def from_pretrained(
+        cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> GPT:
         """Build the model of a snapshot (see ``common.weights.resolve_model``) and load its weights.
 
         The modules are created on the "meta" device (no memory, no random init) and then given

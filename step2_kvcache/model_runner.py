@@ -38,7 +38,9 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs, if asked for)."""
         input_ids = self.prepare_inputs(seqs)
-        logits = self.model(input_ids, self.kv_cache, last_only=True)[:, -1]  # [B, V], the scores of the token after the last one
+        logits = self.model(input_ids, self.kv_cache, last_only=True)[
+            :, -1
+        ]  # [B, V], the scores of the token after the last one
         return self.sample(seqs, logits)
 
     def prepare_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -57,7 +59,9 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
         out = sample(
             logits,

@@ -14,8 +14,8 @@ from transformers import GPT2LMHeadModel
 
 import step1_generate
 
-from .llm import LLM
 from .kv_cache import KVCache
+from .llm import LLM
 from .model import GPT
 from .sampling import SamplingParams
 
@@ -52,14 +52,27 @@ def test_greedy_ids_equal_step1(llm, step1_llm):
 def test_long_prompts_to_the_window_equal_step1_and_hf(llm, step1_llm, demo_snapshot, prompt_len, max_tokens):
     """Up to the 512-token context window: 500 + 12 tokens, then finish_reason "length"."""
     ids = long_prompt(llm, prompt_len)
-    ours = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
-    step1 = step1_llm.generate(prompt_token_ids=[ids], sampling_params=step1_generate.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    ours = llm.generate(
+        prompt_token_ids=[ids],
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    )[0]
+    step1 = step1_llm.generate(
+        prompt_token_ids=[ids],
+        sampling_params=step1_generate.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    )[0]
     assert ours.outputs[0].token_ids == step1.outputs[0].token_ids
     n = min(max_tokens, llm.config.n_positions - prompt_len)
     assert len(ours.outputs[0].token_ids) == n
     hf = GPT2LMHeadModel.from_pretrained(demo_snapshot, dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([ids]), do_sample=False, use_cache=True, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        out = hf.generate(
+            torch.tensor([ids]),
+            do_sample=False,
+            use_cache=True,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
     assert ours.outputs[0].token_ids == out[0, prompt_len:].tolist()
 
 
@@ -69,7 +82,14 @@ def test_greedy_ids_equal_hf_with_cache(llm, demo_snapshot):
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0))):
         ids = llm.tokenizer.encode(prompt)
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([ids]), do_sample=False, use_cache=True, max_new_tokens=40, eos_token_id=eos, pad_token_id=eos)
+            ref = hf.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                use_cache=True,
+                max_new_tokens=40,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
         assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
 
 
@@ -94,15 +114,22 @@ def test_prefill_in_two_pieces_equals_one_prefill(demo_snapshot):
     (is_causal=True would hide the cached keys from it)."""
     model = GPT.from_pretrained(str(demo_snapshot))
     ids = torch.randint(model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
-    whole, pieces = KVCache(model.config, 40, "cpu", torch.float32), KVCache(model.config, 40, "cpu", torch.float32)
+    whole, pieces = (
+        KVCache(model.config, 40, "cpu", torch.float32),
+        KVCache(model.config, 40, "cpu", torch.float32),
+    )
     with torch.inference_mode():
         one = model(ids, whole)
         first = model(ids[:, :13], pieces)
         second = model(ids[:, 13:], pieces)
     torch.testing.assert_close(torch.cat([first, second], dim=1), one, rtol=1.3e-6, atol=1e-5)
     for layer in range(model.config.n_layer):
-        torch.testing.assert_close(whole.k[layer][:, :, :37], pieces.k[layer][:, :, :37], rtol=1.3e-6, atol=1e-5)
-        torch.testing.assert_close(whole.v[layer][:, :, :37], pieces.v[layer][:, :, :37], rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(
+            whole.k[layer][:, :, :37], pieces.k[layer][:, :, :37], rtol=1.3e-6, atol=1e-5
+        )
+        torch.testing.assert_close(
+            whole.v[layer][:, :, :37], pieces.v[layer][:, :, :37], rtol=1.3e-6, atol=1e-5
+        )
 
 
 def test_seeded_sampling_equals_step1(llm, step1_llm):

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from .sampling import ( 
+from .sampling import (
     FLOAT32_MAX,
     Logprob,
     RequestOutputKind,
@@ -41,7 +41,10 @@ def generator(seed: int | None, device="cpu") -> torch.Generator | None:
 def random_history(rng: random.Random, vocab: int = V) -> tuple[list[int], list[int]]:
     """A prompt and an output with repeats, so that the penalties have something to count."""
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
-    output = [rng.choice(prompt) if rng.random() < 0.3 else rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+    output = [
+        rng.choice(prompt) if rng.random() < 0.3 else rng.randrange(vocab)
+        for _ in range(rng.randrange(0, 20))
+    ]
     return prompt, output
 
 
@@ -56,14 +59,24 @@ MIXED = [
     SamplingParams(repetition_penalty=0.7, seed=5),
     SamplingParams(presence_penalty=1.5, frequency_penalty=-0.5, seed=6),
     SamplingParams(temperature=0, presence_penalty=-2, frequency_penalty=2, logprobs=1),
-    SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.3, frequency_penalty=0.4,
-                   seed=7, logprobs=3),  # fmt: skip
+    SamplingParams(
+        temperature=0.9,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.02,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        seed=7,
+        logprobs=3,
+    ),  # fmt: skip
     SamplingParams(temperature=1.5, top_k=1),  # unseeded, but only one token survives
     SamplingParams(top_p=1e-6),  # unseeded, likewise
     SamplingParams(temperature=0.6, logprobs=5),  # unseeded and random
     SamplingParams(top_k=-1, seed=8, logprobs=0),
     SamplingParams(temperature=2.0, top_k=5, seed=2**64 - 1, logprobs=2),
-    SamplingParams(temperature=1e-5, top_p=0.5, seed=-(2**63)),  # just above greedy: huge logits, still finite
+    SamplingParams(
+        temperature=1e-5, top_p=0.5, seed=-(2**63)
+    ),  # just above greedy: huge logits, still finite
 ]
 CERTAIN = {10, 11}  # unseeded rows whose token is the argmax of the processed logits
 
@@ -105,7 +118,13 @@ def test_every_rows_processed_distribution_equals_the_reference():
     params = [dataclasses.replace(p, logprobs=5) for p in MIXED]
     histories = [random_history(rng) for _ in params]
     logits = torch.randn(len(params), V) * 3
-    out = sample(logits, params, [generator(p.seed) for p in params], [h[0] for h in histories], [h[1] for h in histories])
+    out = sample(
+        logits,
+        params,
+        [generator(p.seed) for p in params],
+        [h[0] for h in histories],
+        [h[1] for h in histories],
+    )
     for i, (p, (prompt, output)) in enumerate(zip(params, histories)):
         ref = torch.log_softmax(process_one(logits[i], p, prompt, output), dim=-1)  # [V]
         top = ref.topk(5)
@@ -116,7 +135,12 @@ def test_every_rows_processed_distribution_equals_the_reference():
 
 def test_seeded_row_is_the_same_alone_and_anywhere_in_any_batch():
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
-    others = [SamplingParams(temperature=0), SamplingParams(seed=99), SamplingParams(), SamplingParams(top_k=3)]
+    others = [
+        SamplingParams(temperature=0),
+        SamplingParams(seed=99),
+        SamplingParams(),
+        SamplingParams(top_k=3),
+    ]
     row = torch.randn(V) * 2
     steps = 5
 
@@ -203,7 +227,9 @@ def test_greedy_logprobs_are_the_log_softmax_of_the_logits():
             assert lp.top[0][0] == lp.token_id
     assert out.logprobs[2] is None
     # ties: the rank counts strictly better tokens only
-    out = sample(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), [SamplingParams(temperature=0, logprobs=3)], [None], [[]], [[]])
+    out = sample(
+        torch.tensor([[1.0, 2.0, 2.0, 0.0]]), [SamplingParams(temperature=0, logprobs=3)], [None], [[]], [[]]
+    )
     assert out.token_ids == [1] and out.logprobs[0].rank == 1
 
 
@@ -216,7 +242,9 @@ def test_filtered_tokens_have_minus_infinity_and_ranks_count_better_tokens():
     out = sample(logits, params, [generator(p.seed) for p in params], empty, empty)
     top_k = out.logprobs[0]
     kept = [lp for _, lp in top_k.top[:2]]
-    assert all(math.isfinite(lp) for lp in kept) and sum(math.exp(lp) for lp in kept) == pytest.approx(1, abs=1e-5)
+    assert all(math.isfinite(lp) for lp in kept) and sum(math.exp(lp) for lp in kept) == pytest.approx(
+        1, abs=1e-5
+    )
     assert [lp for _, lp in top_k.top[2:]] == [-math.inf] * 3
     assert top_k.token_id in [t for t, _ in top_k.top[:2]] and top_k.rank in (1, 2)
     for i in (1, 2):  # the sampled token's rank: 1 + tokens with a strictly higher processed logprob
@@ -266,7 +294,11 @@ def test_repetition_penalty_follows_ctrl_on_its_row_only():
     penalize_repetitions(batch, [1], [[0, 1, 1]], [2.0])
     assert batch.tolist() == [logits.tolist(), [1.0, -4.0, 1.0, -1.0], logits.tolist()]
     # greedy with a strong penalty never repeats a token of the prompt; its neighbours keep the argmax
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=10.0), SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=10.0),
+        SamplingParams(temperature=0),
+    ]
     out = sample(torch.tensor([[5.0, 4.0, 0.0]] * 3), params, [None] * 3, [[0]] * 3, [[]] * 3)
     assert out.token_ids == [0, 1, 0]
 
@@ -291,7 +323,9 @@ def test_extreme_penalties_stay_finite(penalty):
         assert not any(math.isnan(v) for _, v in lp.top)
         assert out.token_ids[i] == sample_one(logits[i], p, generator(p.seed), seen, [1, 2])
     # every logit pushed to -FLOAT32_MAX: a uniform distribution, not NaN
-    out = sample(-torch.rand(1, V) - 1, [SamplingParams(repetition_penalty=1e300, logprobs=0)], [None], [seen], [[]])
+    out = sample(
+        -torch.rand(1, V) - 1, [SamplingParams(repetition_penalty=1e300, logprobs=0)], [None], [seen], [[]]
+    )
     assert out.logprobs[0].logprob == pytest.approx(-math.log(V), abs=1e-4)
 
 
@@ -299,7 +333,11 @@ def test_low_precision_logits_are_computed_in_float32_and_left_unchanged():
     torch.manual_seed(4)
     logits = (torch.randn(3, V) * 3).half()
     before = logits.clone()
-    params = [SamplingParams(seed=1, repetition_penalty=1.5, logprobs=2), SamplingParams(temperature=0), SamplingParams(top_p=0.8, seed=2)]
+    params = [
+        SamplingParams(seed=1, repetition_penalty=1.5, logprobs=2),
+        SamplingParams(temperature=0),
+        SamplingParams(top_p=0.8, seed=2),
+    ]
     history = [[1, 2, 3]] * 3
     a = sample(logits, params, [generator(p.seed) for p in params], history, history)
     b = sample(logits.float(), params, [generator(p.seed) for p in params], history, history)
@@ -308,17 +346,32 @@ def test_low_precision_logits_are_computed_in_float32_and_left_unchanged():
 
 
 def test_logprobs_as_vllm_dict():
-    out = sample(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), [SamplingParams(temperature=0, logprobs=2)], [None], [[]], [[]])
+    out = sample(
+        torch.tensor([[3.0, 2.0, 1.0, 0.0]]), [SamplingParams(temperature=0, logprobs=2)], [None], [[]], [[]]
+    )
     d = out.logprobs[0].as_dict(decode=lambda t: f"<{t}>")
     assert list(d) == [0, 1]
-    assert d[0] == Logprob(out.logprobs[0].logprob, 1, "<0>") and d[1].rank == 2 and d[1].decoded_token == "<1>"
-    out = sample(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), [SamplingParams(top_k=4, min_p=0.3, logprobs=1, seed=5)], [generator(5)], [[]], [[]])
+    assert (
+        d[0] == Logprob(out.logprobs[0].logprob, 1, "<0>") and d[1].rank == 2 and d[1].decoded_token == "<1>"
+    )
+    out = sample(
+        torch.tensor([[3.0, 2.0, 1.0, 0.0]]),
+        [SamplingParams(top_k=4, min_p=0.3, logprobs=1, seed=5)],
+        [generator(5)],
+        [[]],
+        [[]],
+    )
     assert len(out.logprobs[0].as_dict()) in (1, 2)  # the sampled token, plus the best one if it differs
 
 
 def test_batch_arguments_must_have_one_entry_per_row():
     logits = torch.zeros(2, 5)
-    ok = dict(params=[SamplingParams()] * 2, generators=[None] * 2, prompt_token_ids=[[]] * 2, output_token_ids=[[]] * 2)
+    ok = dict(
+        params=[SamplingParams()] * 2,
+        generators=[None] * 2,
+        prompt_token_ids=[[]] * 2,
+        output_token_ids=[[]] * 2,
+    )
     for name in ok:
         with pytest.raises(ValueError, match=name):
             sample(logits, **{**ok, name: ok[name][:1]})
@@ -377,10 +430,18 @@ def test_bad_sampling_params_raise(field, value, message):
 def test_defaults_and_edge_values_are_vllms():
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p) == (16, 1.0, 0, 1.0, 0.0)
-    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.logprobs) == (1.0, 0.0, 0.0, None)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.logprobs) == (
+        1.0,
+        0.0,
+        0.0,
+        None,
+    )
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.seed) == ([], [], False, None)
     assert p.output_kind is RequestOutputKind.CUMULATIVE
-    assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == []
+    assert (
+        SamplingParams(stop="x").stop == ["x"]
+        and SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == []
+    )
     for ok in [dict(top_k=-1), dict(presence_penalty=-2, frequency_penalty=2), dict(logprobs=0), dict(logprobs=5),
                dict(seed=2**64 - 1), dict(seed=-(2**63)), dict(temperature=0), dict(min_p=1), dict(output_kind=RequestOutputKind.DELTA)]:  # fmt: skip
         SamplingParams(**ok)

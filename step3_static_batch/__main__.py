@@ -34,7 +34,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each option's default where it has one (not None, not an empty list)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None or action.default == [] else super()._get_help_string(action)
+        return (
+            action.help
+            if action.default is None or action.default == []
+            else super()._get_help_string(action)
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,18 +51,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("prompts", nargs="*", help="the texts to continue")
     parser.add_argument("--prompts-file", help="a UTF-8 text file with one prompt per line")
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
-    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder")
+    parser.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="divides the logits; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this probability mass; 1 = off")
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the best one; 0 = off")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty on tokens already seen; 1 = off")
-    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's penalty on tokens generated at least once; 0 = off")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's penalty per time a token was generated; 0 = off")
-    parser.add_argument("--stop", action="append", default=[], help="a stop string, left out of the output (repeatable)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="keep the most likely tokens up to this probability mass; 1 = off",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than this times the best one; 0 = off",
+    )
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="CTRL's penalty on tokens already seen; 1 = off"
+    )
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI's penalty on tokens generated at least once; 0 = off",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI's penalty per time a token was generated; 0 = off",
+    )
+    parser.add_argument(
+        "--stop", action="append", default=[], help="a stop string, left out of the output (repeatable)"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="keep going after <|endoftext|>")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the random draws; none = different every run")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed of the random draws; none = different every run"
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     return parser.parse_args(argv)
@@ -103,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         num_tokens += len(out.outputs[0].token_ids)
     print()
     m = out.metrics
-    decode = f"decode {m.decode_tokens_per_s:.1f} tok/s ({1e3 / m.decode_tokens_per_s:.1f} ms/token)" if m.decode_tokens_per_s else "decode n/a"
+    decode = (
+        f"decode {m.decode_tokens_per_s:.1f} tok/s ({1e3 / m.decode_tokens_per_s:.1f} ms/token)"
+        if m.decode_tokens_per_s
+        else "decode n/a"
+    )
     print(
         f"[{len(out.prompt_token_ids)} prompt tokens, {num_tokens} generated ({out.outputs[0].finish_reason}), "
         f"TTFT {m.ttft_s * 1e3:.1f} ms, {decode}]",
@@ -135,8 +173,11 @@ def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
         print(f"--- request {i} ({len(completion.token_ids)} tokens, {completion.finish_reason}) ---")
         print(out.prompt + completion.text)
     generated = sum(len(out.outputs[0].token_ids) for out in outputs)
-    print(f"[{len(outputs)} requests: {generated} tokens generated in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); "
-          f"{engine_summary(llm.engine)}]", file=sys.stderr)
+    print(
+        f"[{len(outputs)} requests: {generated} tokens generated in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); "
+        f"{engine_summary(llm.engine)}]",
+        file=sys.stderr,
+    )
     return 0
 
 

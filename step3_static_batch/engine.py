@@ -68,7 +68,9 @@ class LLMEngine:
     cannot be fetched.
     """
 
-    def __init__(self, model: str = "demo", device: str = "cpu", dtype: str = "float32", max_batch_size: int = 8):
+    def __init__(
+        self, model: str = "demo", device: str = "cpu", dtype: str = "float32", max_batch_size: int = 8
+    ):
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r}: must be an integer >= 1")
         self.max_batch_size = max_batch_size
@@ -89,12 +91,16 @@ class LLMEngine:
         self.num_padding_tokens = 0
         self.num_wasted_tokens = 0
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
         """Queue a request; ``prompt`` is a text or a list of token ids. Raises ValueError (see
         ``make_sequence``) before the request enters the queue."""
         self.add_sequence(self.make_sequence(request_id, prompt, sampling_params))
 
-    def make_sequence(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
+    def make_sequence(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> Sequence:
         """Tokenize and check one request, the one place where requests are validated; queues nothing.
 
         Raises ValueError if the id is in use, the prompt or the parameters are bad, or the request can
@@ -113,7 +119,9 @@ class LLMEngine:
         if len(ids) == 0:
             raise ValueError("prompt is empty; give at least one token")
         if not all(0 <= t < vocab for t in ids):
-            field = "prompt" if text is not None else "prompt_token_ids"  # a text can hold added tokens the model lacks
+            field = (
+                "prompt" if text is not None else "prompt_token_ids"
+            )  # a text can hold added tokens the model lacks
             raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -155,7 +163,9 @@ class LLMEngine:
         """
         outputs, self.aborted = self.aborted, []
         if not self.running and self.waiting:  # the next batch: the oldest requests, up to max_batch_size
-            self.running = [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]
+            self.running = [
+                self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))
+            ]
             for seq in self.running:
                 seq.metrics.first_scheduled_time = time.perf_counter()
             self.model_runner.allocate_kv_cache(self.running)

@@ -28,7 +28,12 @@ class KVCache:
     """
 
     def __init__(
-        self, config: GPT2Config, capacity: int, device: torch.device | str, dtype: torch.dtype, batch_size: int = 1
+        self,
+        config: GPT2Config,
+        capacity: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        batch_size: int = 1,
     ):
         shape = (batch_size, config.n_head, capacity, config.head_dim)  # [B, H, capacity, D]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
@@ -44,7 +49,9 @@ class KVCache:
         """
         start, end = self.length, self.length + k.shape[2]
         if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {start} cached + {k.shape[2]} new tokens > capacity {self.capacity}")
+            raise RuntimeError(
+                f"KV cache overflow: {start} cached + {k.shape[2]} new tokens > capacity {self.capacity}"
+            )
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

@@ -46,7 +46,11 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(
-        self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x [B, T, C]
@@ -94,7 +98,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, layer, mask)
         x = x + self.mlp(self.ln_2(x))
@@ -150,7 +158,9 @@ class GPT(nn.Module):
         mask = None
         if num_pads is not None:  # the runner passes None for a batch without padding
             mask = padding_mask(num_pads, start, T)  # [B, 1, T, S]
-            positions = (positions[None, :] - num_pads[:, None]).clamp(min=0)  # [B, T], 0 at each row's first token
+            positions = (positions[None, :] - num_pads[:, None]).clamp(
+                min=0
+            )  # [B, T], 0 at each row's first token
             # A row that finished at the context window keeps stepping with its batch: its output is thrown
             # away, but its positions must stay inside the position table.
             positions = positions.clamp(max=self.config.n_positions - 1)
@@ -183,7 +193,11 @@ class GPT(nn.Module):
             if name in found:  # saved twice: the LM head beside the embedding, or with and without the prefix
                 first_name, first = found[name]
                 if not torch.equal(first, tensor):
-                    untied = ": an untied LM head, which GPT-2's tied weights cannot represent" if name == "wte.weight" else ""
+                    untied = (
+                        ": an untied LM head, which GPT-2's tied weights cannot represent"
+                        if name == "wte.weight"
+                        else ""
+                    )
                     raise ValueError(f"checkpoint tensors {first_name!r} and {hf_name!r} differ{untied}")
                 continue
             found[name] = (hf_name, tensor)
@@ -195,14 +209,18 @@ class GPT(nn.Module):
                 # reads faster at batch 1 than nn.Linear's own (step 2's README has the numbers).
                 tensor = tensor.t()
             if tensor.shape != own[name].shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}"
+                )
             own[name].data = tensor.to(device=own[name].device, dtype=own[name].dtype, copy=True)
         missing = sorted(set(own) - set(found))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
     @classmethod
-    def from_pretrained(cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+    def from_pretrained(
+        cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> GPT:
         """Build the model of a snapshot (see ``common.weights.resolve_model``) and load its weights.
 
         The modules are created on the "meta" device (no memory, no random init) and then given

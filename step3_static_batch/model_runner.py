@@ -40,14 +40,20 @@ class ModelRunner:
         longest = max(len(seq) for seq in seqs)
         self.num_pads = [longest - len(seq) for seq in seqs]
         capacity = longest + max(seq.max_len - len(seq) for seq in seqs)
-        self.kv_cache = KVCache(self.config, capacity, self.device, self.model.wte.weight.dtype, batch_size=len(seqs))
-        self.num_pads_t = self.to_device(self.num_pads) if any(self.num_pads) else None  # [B], None: no padding
+        self.kv_cache = KVCache(
+            self.config, capacity, self.device, self.model.wte.weight.dtype, batch_size=len(seqs)
+        )
+        self.num_pads_t = (
+            self.to_device(self.num_pads) if any(self.num_pads) else None
+        )  # [B], None: no padding
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs, if asked for)."""
         input_ids = self.prepare_inputs(seqs)
-        logits = self.model(input_ids, self.kv_cache, self.num_pads_t, last_only=True)[:, -1]  # [B, V], the scores of the token after the last one
+        logits = self.model(input_ids, self.kv_cache, self.num_pads_t, last_only=True)[
+            :, -1
+        ]  # [B, V], the scores of the token after the last one
         return self.sample(seqs, logits)
 
     def prepare_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -68,7 +74,9 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
         out = sample(
             logits,

@@ -50,7 +50,9 @@ def solo_ids(solo, prompt_ids, max_tokens):
 def test_batched_greedy_equals_solo_step2(llm, solo, batch_size):
     llm.engine.max_batch_size = batch_size
     try:
-        max_tokens = [5 + 4 * i for i in range(len(PROMPTS))]  # different lengths: rows finish at different steps
+        max_tokens = [
+            5 + 4 * i for i in range(len(PROMPTS))
+        ]  # different lengths: rows finish at different steps
         outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0) for n in max_tokens])
     finally:
         llm.engine.max_batch_size = 8
@@ -66,7 +68,10 @@ def test_prompt_lengths_from_1_to_near_the_window(llm, solo):
     lengths = [1, 17, 130, 490]
     prompts = [(base * 20)[:n] for n in lengths]
     padding_before = llm.engine.num_padding_tokens
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+    )
     for ids, out in zip(prompts, outs):
         n = min(20, llm.config.n_positions - len(ids))
         assert len(out.outputs[0].token_ids) == n
@@ -79,10 +84,14 @@ def test_a_row_that_reaches_the_window_keeps_stepping_safely(llm, solo):
     row 0 still computing beside it, past the window, without touching the position table's end."""
     ids = [[5] * 500, [5]]
     wasted_before = llm.engine.num_wasted_tokens
-    outs = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [12, 100]
     assert outs[0].outputs[0].finish_reason == outs[1].outputs[0].finish_reason == "length"
-    assert outs[0].outputs[0].token_ids == solo_ids(solo, ids[0], 100) and outs[1].outputs[0].token_ids == solo_ids(solo, ids[1], 100)
+    assert outs[0].outputs[0].token_ids == solo_ids(solo, ids[0], 100) and outs[1].outputs[
+        0
+    ].token_ids == solo_ids(solo, ids[1], 100)
     assert llm.engine.num_wasted_tokens - wasted_before == 100 - 12
 
 
@@ -95,7 +104,14 @@ def test_equals_hf_generate_with_left_padding(llm, demo_snapshot):
     attention_mask = torch.tensor([[0] * (longest - len(x)) + [1] * len(x) for x in ids])
     hf = GPT2LMHeadModel.from_pretrained(demo_snapshot, dtype=torch.float32).eval()
     with torch.inference_mode():
-        ref = hf.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=pad)
+        ref = hf.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=16,
+            min_new_tokens=16,
+            pad_token_id=pad,
+        )
     outs = llm.generate(PROMPTS[:5], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for row, out in enumerate(outs):
         assert out.outputs[0].token_ids == ref[row, longest:].tolist()
@@ -109,7 +125,10 @@ def test_seeded_sample_is_batch_independent(llm):
     for position in range(4):
         prompts = other_prompts[:position] + [PROMPTS[2]] + other_prompts[position:]
         out = llm.generate(prompts, others[:position] + [params] + others[position:])[position]
-        assert out.outputs[0].text == alone.outputs[0].text and out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert (
+            out.outputs[0].text == alone.outputs[0].text
+            and out.outputs[0].token_ids == alone.outputs[0].token_ids
+        )
 
 
 def test_no_nan_or_inf_with_heavy_padding(demo_snapshot):
@@ -141,16 +160,27 @@ def test_stop_rules_per_row_and_waste_is_counted(llm, solo):
     params = [
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop_text]),  # stops at a string
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),  # runs to 30
-        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[full.outputs[0].token_ids[2]]),  # stops at a token
+        SamplingParams(
+            max_tokens=30, temperature=0, stop_token_ids=[full.outputs[0].token_ids[2]]
+        ),  # stops at a token
         SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),  # stops at length 7
     ]
     padding_before, wasted_before = llm.engine.num_padding_tokens, llm.engine.num_wasted_tokens
     outs = llm.generate([PROMPTS[1]] * 4, params)
     assert outs[0].outputs[0].finish_reason == "stop" and stop_text not in outs[0].outputs[0].text
     assert outs[0].outputs[0].text == full.outputs[0].text[: full.outputs[0].text.find(stop_text)]
-    assert outs[1].outputs[0].token_ids == full.outputs[0].token_ids and outs[1].outputs[0].finish_reason == "length"
-    assert outs[2].outputs[0].token_ids == full.outputs[0].token_ids[:3] and outs[2].outputs[0].finish_reason == "stop"
-    assert outs[3].outputs[0].token_ids == full.outputs[0].token_ids[:7] and outs[3].outputs[0].finish_reason == "length"
+    assert (
+        outs[1].outputs[0].token_ids == full.outputs[0].token_ids
+        and outs[1].outputs[0].finish_reason == "length"
+    )
+    assert (
+        outs[2].outputs[0].token_ids == full.outputs[0].token_ids[:3]
+        and outs[2].outputs[0].finish_reason == "stop"
+    )
+    assert (
+        outs[3].outputs[0].token_ids == full.outputs[0].token_ids[:7]
+        and outs[3].outputs[0].finish_reason == "length"
+    )
     # the batch ran 30 steps; every row that finished early kept computing until then
     assert llm.engine.num_wasted_tokens - wasted_before == sum(30 - len(o.outputs[0].token_ids) for o in outs)
     assert llm.engine.num_padding_tokens == padding_before  # same prompt: no padding
@@ -185,11 +215,27 @@ def test_cli_several_prompts_and_file(llm, tmp_path):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("A list comprehension is\n\nThe\n")
     result = subprocess.run(
-        [sys.executable, "-m", __package__, "The Python interpreter", "--prompts-file", str(prompts_file), "--max-tokens", "6", "--max-batch-size", "2"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            __package__,
+            "The Python interpreter",
+            "--prompts-file",
+            str(prompts_file),
+            "--max-tokens",
+            "6",
+            "--max-batch-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    expected = llm.generate(["The Python interpreter", "A list comprehension is", "The"], SamplingParams(max_tokens=6, temperature=0))
+    expected = llm.generate(
+        ["The Python interpreter", "A list comprehension is", "The"],
+        SamplingParams(max_tokens=6, temperature=0),
+    )
     for out in expected:
         assert out.prompt + out.outputs[0].text in result.stdout
     assert result.stdout.count("--- request") == 3

@@ -103,11 +103,19 @@ class LLMEngine:
 
         bytes_per_block = PagedKVCache.block_bytes(self.config, block_size, self.dtype)
         if kv_cache_memory is not None:
-            if not isinstance(kv_cache_memory, int) or isinstance(kv_cache_memory, bool) or kv_cache_memory < bytes_per_block:
-                raise ValueError(f"kv_cache_memory={kv_cache_memory!r}: must be an integer >= {bytes_per_block} bytes (one block)")
+            if (
+                not isinstance(kv_cache_memory, int)
+                or isinstance(kv_cache_memory, bool)
+                or kv_cache_memory < bytes_per_block
+            ):
+                raise ValueError(
+                    f"kv_cache_memory={kv_cache_memory!r}: must be an integer >= {bytes_per_block} bytes (one block)"
+                )
             num_kv_blocks = kv_cache_memory // bytes_per_block
         if num_kv_blocks is None:
-            num_kv_blocks = max_num_seqs * blocks_for(window, block_size)  # every request can reach the window
+            num_kv_blocks = max_num_seqs * blocks_for(
+                window, block_size
+            )  # every request can reach the window
         if not isinstance(num_kv_blocks, int) or isinstance(num_kv_blocks, bool) or num_kv_blocks < 1:
             raise ValueError(
                 f"num_kv_blocks={num_kv_blocks!r}: must be an integer >= 1 "
@@ -115,23 +123,37 @@ class LLMEngine:
             )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = window
-        if not isinstance(max_num_batched_tokens, int) or isinstance(max_num_batched_tokens, bool) or max_num_batched_tokens < window:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r}: must be an integer >= the context window ({window})")
+        if (
+            not isinstance(max_num_batched_tokens, int)
+            or isinstance(max_num_batched_tokens, bool)
+            or max_num_batched_tokens < window
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens!r}: must be an integer >= the context window ({window})"
+            )
 
         self.kv_cache = PagedKVCache(self.config, num_kv_blocks, block_size, self.device, self.dtype)
         self.block_manager = BlockManager(num_kv_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.max_model_len = min(window, num_kv_blocks * block_size)  # tokens one request can reach, prompt included
-        self.model_runner = ModelRunner(self.model, self.tokenizer, self.device, self.kv_cache, self.block_manager)
+        self.max_model_len = min(
+            window, num_kv_blocks * block_size
+        )  # tokens one request can reach, prompt included
+        self.model_runner = ModelRunner(
+            self.model, self.tokenizer, self.device, self.kv_cache, self.block_manager
+        )
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, returned by the next step
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
         """Queue a request; ``prompt`` is a text or a list of token ids. Raises ValueError (see
         ``make_sequence``) before the request enters the queue."""
         self.add_sequence(self.make_sequence(request_id, prompt, sampling_params))
 
-    def make_sequence(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
+    def make_sequence(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> Sequence:
         """Tokenize and check one request, the one place where requests are validated; queues nothing.
 
         Raises ValueError if the id is in use, the prompt or the parameters are bad, or the request can
@@ -150,7 +172,9 @@ class LLMEngine:
         if len(ids) == 0:
             raise ValueError("prompt is empty; give at least one token")
         if not all(0 <= t < vocab for t in ids):
-            field = "prompt" if text is not None else "prompt_token_ids"  # a text can hold added tokens the model lacks
+            field = (
+                "prompt" if text is not None else "prompt_token_ids"
+            )  # a text can hold added tokens the model lacks
             raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(

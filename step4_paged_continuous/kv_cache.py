@@ -29,9 +29,16 @@ class PagedKVCache:
     """
 
     def __init__(
-        self, config: GPT2Config, num_blocks: int, block_size: int, device: torch.device | str, dtype: torch.dtype
+        self,
+        config: GPT2Config,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
     ):
-        check_free_memory(num_blocks * self.block_bytes(config, block_size, dtype), torch.device(device), num_blocks)
+        check_free_memory(
+            num_blocks * self.block_bytes(config, block_size, dtype), torch.device(device), num_blocks
+        )
         self.block_size, self.dtype = block_size, dtype
         shape = (num_blocks, block_size, config.n_head, config.head_dim)  # [num_blocks, block_size, H, D]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
@@ -39,7 +46,9 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the keys and values of N new tokens: k, v [N, H, D] go to the slots slot_mapping [N]."""
-        self.k[layer].view(-1, *k.shape[1:])[slot_mapping] = k  # the pool seen as [num_blocks * block_size, H, D]
+        self.k[layer].view(-1, *k.shape[1:])[slot_mapping] = (
+            k  # the pool seen as [num_blocks * block_size, H, D]
+        )
         self.v[layer].view(-1, *v.shape[1:])[slot_mapping] = v
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

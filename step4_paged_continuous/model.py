@@ -47,7 +47,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v projections in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:
         N, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=1)  # 3 x [N, C]
         q = q.view(N, self.n_head, self.head_dim)  # [N, H, D]
@@ -81,7 +83,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, layer, meta)
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -119,7 +123,12 @@ def decode_attention_mask(seq_lens: torch.Tensor, num_keys: int, dtype: torch.dt
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: PagedKVCache,
+    layer: int,
+    meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Causal attention of every new token over its own sequence.
 
@@ -138,12 +147,14 @@ def paged_attention(
     if P < len(meta.query_start_loc) - 1:
         a = meta.query_start_loc[P]
         k_all, v_all = kv_cache.gather(layer, meta.decode_block_tables)  # [S_d, M * block_size, H, D]
-        ys.append(F.scaled_dot_product_attention(
-            q[a:, :, None, :],  # [S_d, H, 1, D]
-            k_all.transpose(1, 2),  # [S_d, H, M * block_size, D]
-            v_all.transpose(1, 2),
-            attn_mask=meta.decode_mask,  # [S_d, 1, 1, M * block_size]
-        )[:, :, 0])  # [S_d, H, D]
+        ys.append(
+            F.scaled_dot_product_attention(
+                q[a:, :, None, :],  # [S_d, H, 1, D]
+                k_all.transpose(1, 2),  # [S_d, H, M * block_size, D]
+                v_all.transpose(1, 2),
+                attn_mask=meta.decode_mask,  # [S_d, 1, 1, M * block_size]
+            )[:, :, 0]
+        )  # [S_d, H, D]
     return torch.cat(ys)  # [N, H, D]
 
 
@@ -159,7 +170,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Next-token logits of every sequence in a flattened batch.
 
@@ -192,7 +207,11 @@ class GPT(nn.Module):
             if name in found:  # saved twice: the LM head beside the embedding, or with and without the prefix
                 first_name, first = found[name]
                 if not torch.equal(first, tensor):
-                    untied = ": an untied LM head, which GPT-2's tied weights cannot represent" if name == "wte.weight" else ""
+                    untied = (
+                        ": an untied LM head, which GPT-2's tied weights cannot represent"
+                        if name == "wte.weight"
+                        else ""
+                    )
                     raise ValueError(f"checkpoint tensors {first_name!r} and {hf_name!r} differ{untied}")
                 continue
             found[name] = (hf_name, tensor)
@@ -204,14 +223,18 @@ class GPT(nn.Module):
                 # reads faster at batch 1 than nn.Linear's own (step 2's README has the numbers).
                 tensor = tensor.t()
             if tensor.shape != own[name].shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(own[name].shape)}"
+                )
             own[name].data = tensor.to(device=own[name].device, dtype=own[name].dtype, copy=True)
         missing = sorted(set(own) - set(found))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
     @classmethod
-    def from_pretrained(cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+    def from_pretrained(
+        cls, model: str = "demo", device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> GPT:
         """Build the model of a snapshot (see ``common.weights.resolve_model``) and load its weights.
 
         The modules are created on the "meta" device (no memory, no random init) and then given

@@ -31,7 +31,12 @@ class ModelRunner:
     """Runs ``model`` on ``device`` for the sequences the engine picks, and samples their next tokens."""
 
     def __init__(
-        self, model: GPT, tokenizer: Tokenizer, device: torch.device, kv_cache: PagedKVCache, block_manager: BlockManager
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        device: torch.device,
+        kv_cache: PagedKVCache,
+        block_manager: BlockManager,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -47,7 +52,9 @@ class ModelRunner:
         logits = self.model(input_ids, positions, self.kv_cache, meta)  # [S, V], one row per sequence
         return self.sample(scheduled.seqs, logits)
 
-    def prepare_inputs(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step's sequences into one batch: token ids, positions and slot mapping [N] each,
         where each sequence starts, and, for the decodes, their lengths and block tables. Everything
         goes to the device in one copy."""
@@ -69,10 +76,14 @@ class ModelRunner:
         seq_lens = [len(seq) for seq in scheduled.decodes]
         tables = [blocks.block_tables[seq.request_id] for seq in scheduled.decodes]
         width = max((len(t) for t in tables), default=1)
-        padded_tables = [x for t in tables for x in t + [0] * (width - len(t))]  # short rows padded with block 0
+        padded_tables = [
+            x for t in tables for x in t + [0] * (width - len(t))
+        ]  # short rows padded with block 0
         N, S_d = len(token_ids), len(seq_lens)  # new tokens, decodes
         # one host-to-device copy for the whole step
-        packed = self.to_device(token_ids + positions + slots + query_start_loc[1:] + seq_lens + padded_tables)
+        packed = self.to_device(
+            token_ids + positions + slots + query_start_loc[1:] + seq_lens + padded_tables
+        )
         input_ids, positions_t, slot_mapping, ends, decode_seq_lens, decode_block_tables = packed.split(
             [N, N, N, len(query_start_loc) - 1, S_d, S_d * width]
         )
@@ -82,7 +93,9 @@ class ModelRunner:
             logits_indices=ends - 1,  # each sequence's last new token
             num_prefills=len(scheduled.prefills),
             decode_block_tables=decode_block_tables.view(S_d, width),
-            decode_mask=decode_attention_mask(decode_seq_lens, width * self.kv_cache.block_size, self.kv_cache.dtype),
+            decode_mask=decode_attention_mask(
+                decode_seq_lens, width * self.kv_cache.block_size, self.kv_cache.dtype
+            ),
         )
         return input_ids, positions_t, meta
 
@@ -94,7 +107,9 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
         out = sample(
             logits,

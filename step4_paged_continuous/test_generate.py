@@ -59,19 +59,27 @@ def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int, eos: int) -> list[
 def test_greedy_ids_equal_hf_generate(llm, hf_demo):
     outputs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outputs):
-        expected = hf_greedy(hf_demo, llm.tokenizer.encode(prompt), GREEDY.max_tokens, llm.tokenizer.eos_token_id)
+        expected = hf_greedy(
+            hf_demo, llm.tokenizer.encode(prompt), GREEDY.max_tokens, llm.tokenizer.eos_token_id
+        )
         assert out.outputs[0].token_ids == expected, prompt
-        assert out.outputs[0].text == llm.tokenizer.decode([t for t in out.outputs[0].token_ids if t != llm.tokenizer.eos_token_id])
+        assert out.outputs[0].text == llm.tokenizer.decode(
+            [t for t in out.outputs[0].token_ids if t != llm.tokenizer.eos_token_id]
+        )
 
 
 @pytest.mark.slow
 def test_greedy_ids_equal_hf_near_the_context_window(llm, hf_demo):
     """A prompt of 480 tokens: generation runs into the 512-token window and stops with "length"."""
     ids = (llm.tokenizer.encode(PROMPTS[-1]) * 20)[:480]
-    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    out = llm.generate(
+        prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    )[0]
     assert len(out.outputs[0].token_ids) == 512 - 480 and out.outputs[0].finish_reason == "length"
     with torch.inference_mode():
-        full = hf_demo.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
+        full = hf_demo.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0
+        )
     assert out.outputs[0].token_ids == full[0, 480:].tolist()
 
 
@@ -113,7 +121,9 @@ def test_top_k_1_and_tiny_top_p_are_greedy(llm):
 
 def test_repetition_penalty_changes_greedy_output(llm):
     plain = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
-    penalised = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.5))[0]
+    penalised = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.5)
+    )[0]
     assert plain.outputs[0].token_ids != penalised.outputs[0].token_ids
     assert len(set(penalised.outputs[0].token_ids)) >= len(set(plain.outputs[0].token_ids))
 
@@ -132,12 +142,16 @@ def test_stop_string_across_token_boundary_is_not_in_output(llm):
     prefix_len = len("".join(pieces[:k])) + len(pieces[k]) - 2
     expected_text = "".join(pieces)[: "".join(pieces).find(stop)]
     assert len(expected_text) <= prefix_len
-    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "never-seen"]))[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "never-seen"])
+    )[0]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].text == expected_text and stop not in out.outputs[0].text
     assert out.outputs[0].token_ids == full.outputs[0].token_ids[: len(out.outputs[0].token_ids)]
     # streaming never shows any part of the stop string either
-    streamed = "".join(llm.stream(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=stop)))
+    streamed = "".join(
+        llm.stream(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=stop))
+    )
     assert streamed == expected_text
 
 
@@ -147,7 +161,9 @@ def test_stop_token_ids_and_eos(llm):
     first = full.outputs[0].token_ids.index(stop_id)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id]))[0]
     assert out.outputs[0].finish_reason == "stop"
-    assert out.outputs[0].token_ids == full.outputs[0].token_ids[: first + 1]  # the stop token is kept in the ids...
+    assert (
+        out.outputs[0].token_ids == full.outputs[0].token_ids[: first + 1]
+    )  # the stop token is kept in the ids...
     # ...and, an ordinary token, in the text too (as in vLLM); its id is the stop reason
     assert out.outputs[0].text == llm.tokenizer.decode(full.outputs[0].token_ids[: first + 1])
     assert out.outputs[0].stop_reason == stop_id
@@ -159,8 +175,13 @@ def test_stop_token_ids_and_eos(llm):
         ignoring = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
     finally:
         llm.tokenizer.eos_token_id = eos
-    assert by_eos.outputs[0].token_ids == out.outputs[0].token_ids and by_eos.outputs[0].finish_reason == "stop"
-    assert ignoring.outputs[0].token_ids == full.outputs[0].token_ids and ignoring.outputs[0].finish_reason == "length"
+    assert (
+        by_eos.outputs[0].token_ids == out.outputs[0].token_ids and by_eos.outputs[0].finish_reason == "stop"
+    )
+    assert (
+        ignoring.outputs[0].token_ids == full.outputs[0].token_ids
+        and ignoring.outputs[0].finish_reason == "length"
+    )
 
 
 def test_max_tokens_and_context_window_end_with_length(llm):
@@ -169,7 +190,10 @@ def test_max_tokens_and_context_window_end_with_length(llm):
     window = llm.config.n_positions
     for prompt_len, expected in ((window - 1, 1), (window - 3, 3)):
         ids = [llm.tokenizer.encode(" the")[0]] * prompt_len
-        out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+        out = llm.generate(
+            prompt_token_ids=[ids],
+            sampling_params=SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+        )[0]
         assert len(out.outputs[0].token_ids) == expected and out.outputs[0].finish_reason == "length"
 
 
@@ -181,7 +205,9 @@ def test_stream_equals_generate_and_metrics(llm):
     assert len(outs) == len(whole.outputs[0].token_ids) and outs[-1].finished and not outs[0].finished
     m = outs[-1].metrics
     assert m.ttft_s > 0 and len(m.token_times) == len(whole.outputs[0].token_ids)
-    assert len(m.decode_latencies_s) == len(whole.outputs[0].token_ids) - 1 and all(d >= 0 for d in m.decode_latencies_s)
+    assert len(m.decode_latencies_s) == len(whole.outputs[0].token_ids) - 1 and all(
+        d >= 0 for d in m.decode_latencies_s
+    )
 
 
 def test_outputs_in_input_order_with_per_request_params(llm):
@@ -250,7 +276,9 @@ def test_extreme_sampling_values_do_not_crash(llm):
     ):
         assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids == greedy
     for penalty in (1e-300, 1e300):
-        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0, repetition_penalty=penalty, seed=0))[0]
+        out = llm.generate(
+            PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0, repetition_penalty=penalty, seed=0)
+        )[0]
         assert len(out.outputs[0].token_ids) == 8
 
 
@@ -259,11 +287,25 @@ def test_lenient_and_strict_input_forms(llm):
 
     ids = llm.tokenizer.encode(PROMPTS[0])
     expected = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].outputs[0].token_ids
-    assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)[0].outputs[0].token_ids == expected  # one flat list
-    assert llm.generate(prompt_token_ids=[np.array(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids == expected
-    assert llm.generate(prompt_token_ids=[torch.tensor(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids == expected
-    assert llm.generate(prompt_token_ids=torch.tensor(ids), sampling_params=GREEDY)[0].outputs[0].token_ids == expected
-    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=np.array([ids, ids]), sampling_params=GREEDY)] == [expected] * 2
+    assert (
+        llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)[0].outputs[0].token_ids == expected
+    )  # one flat list
+    assert (
+        llm.generate(prompt_token_ids=[np.array(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids
+        == expected
+    )
+    assert (
+        llm.generate(prompt_token_ids=[torch.tensor(ids)], sampling_params=GREEDY)[0].outputs[0].token_ids
+        == expected
+    )
+    assert (
+        llm.generate(prompt_token_ids=torch.tensor(ids), sampling_params=GREEDY)[0].outputs[0].token_ids
+        == expected
+    )
+    assert [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompt_token_ids=np.array([ids, ids]), sampling_params=GREEDY)
+    ] == [expected] * 2
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=[[True, 5]], sampling_params=GREEDY)
@@ -293,7 +335,9 @@ def test_bad_model_device_dtype(tmp_path):
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_cli_streams_text_then_summary(llm):
@@ -302,14 +346,24 @@ def test_cli_streams_text_then_summary(llm):
     expected = llm.generate("The Python interpreter", SamplingParams(max_tokens=12, temperature=0))[0]
     assert result.stdout == "The Python interpreter" + expected.outputs[0].text + "\n"
     summary = result.stderr.strip().splitlines()[-1]
-    assert summary.startswith(f"[{len(expected.prompt_token_ids)} prompt tokens, {len(expected.outputs[0].token_ids)} generated")
+    assert summary.startswith(
+        f"[{len(expected.prompt_token_ids)} prompt tokens, {len(expected.outputs[0].token_ids)} generated"
+    )
     assert "TTFT" in summary and "tok/s" in summary
 
 
 @pytest.mark.parametrize(
     "args",
-    [["", "--max-tokens", "4"], ["hi", "--max-tokens", "0"], ["hi", "--temperature", "-1"], ["hi", "--top-p", "2"],
-     ["hi", "--top-k", "-3"], ["hi", "--min-p", "7"], ["hi", "--repetition-penalty", "0"], ["hi", "--model", "/no/such/dir"]],
+    [
+        ["", "--max-tokens", "4"],
+        ["hi", "--max-tokens", "0"],
+        ["hi", "--temperature", "-1"],
+        ["hi", "--top-p", "2"],
+        ["hi", "--top-k", "-3"],
+        ["hi", "--min-p", "7"],
+        ["hi", "--repetition-penalty", "0"],
+        ["hi", "--model", "/no/such/dir"],
+    ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args):
     result = run_cli(*args)
@@ -356,10 +410,16 @@ def test_output_kinds_cumulative_delta_final_only(demo_snapshot, llm):
     """CUMULATIVE outputs carry everything so far, DELTA only what is new, FINAL_ONLY one output at the end;
     all three add up to the same completion."""
     engine = llm.engine
-    whole = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+    whole = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[
+        0
+    ].outputs[0]
     got = {}
     for kind in RequestOutputKind:
-        engine.add_request(f"kind-{kind.name}", PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, output_kind=kind))
+        engine.add_request(
+            f"kind-{kind.name}",
+            PROMPTS[1],
+            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, output_kind=kind),
+        )
     while engine.has_unfinished_requests():
         for out in engine.step():
             got.setdefault(out.request_id, []).append(out.outputs[0])
@@ -394,7 +454,9 @@ def test_abort_ends_with_an_abort_output(llm):
 def test_logprobs_of_greedy_tokens_equal_log_softmax_of_hf_logits(llm, hf_demo):
     """logprobs=n returns, per generated token, the sampled token's log-probability and the n most likely
     (greedy: from the model's own distribution), equal to log_softmax of HF's logits at that position."""
-    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))[0]
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))[
+        0
+    ]
     completion = out.outputs[0]
     assert len(completion.logprobs) == len(completion.token_ids) == 8
     ids = out.prompt_token_ids + completion.token_ids
@@ -415,7 +477,9 @@ def test_cli_ctrl_c_ends_quietly_with_status_130():
 
     proc = subprocess.Popen(
         [sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "400", "--ignore-eos"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.read(len("The Python interpreter")) == "The Python interpreter"  # generating now
@@ -437,8 +501,12 @@ def test_cli_bad_option_is_one_line_and_exit_2(args):
 
 def test_cli_output_into_a_closed_pipe_is_quiet():
     """`python -m <step> ... | head -c 10`: the reader leaves early; no BrokenPipeError traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "40"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "40"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.read(5)
     proc.stdout.close()  # the reader is gone
     _, stderr = proc.communicate(timeout=120)

@@ -22,8 +22,8 @@ import step2_kvcache
 
 from .block_manager import BlockManager
 from .engine import LLMEngine
-from .llm import LLM
 from .kv_cache import PagedKVCache
+from .llm import LLM
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestMetrics
@@ -86,7 +86,9 @@ def solo(demo_snapshot):
     def run(prompt, max_tokens, **kw):
         key = (tuple(prompt) if isinstance(prompt, list) else prompt, max_tokens, tuple(sorted(kw.items())))
         if key not in cache:
-            params = step2_kvcache.SamplingParams(max_tokens=max_tokens, temperature=kw.pop("temperature", 0), **kw)
+            params = step2_kvcache.SamplingParams(
+                max_tokens=max_tokens, temperature=kw.pop("temperature", 0), **kw
+            )
             if isinstance(prompt, list):
                 cache[key] = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
             else:
@@ -143,7 +145,9 @@ def test_forced_preemption_keeps_outputs_identical(demo_engine_args, solo):
     """A pool of 12 blocks x 4 tokens cannot hold 4 growing requests: some are preempted and recomputed."""
     engine = LLMEngine(**demo_engine_args, block_size=4, num_kv_blocks=12, max_num_seqs=4)
     params = {i: SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for i in range(4)}
-    params[4] = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)  # seeded sampling
+    params[4] = SamplingParams(
+        max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True
+    )  # seeded sampling
     prompts = PROMPTS[:4] + [PROMPTS[1]]
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params[i])
@@ -151,7 +155,10 @@ def test_forced_preemption_keeps_outputs_identical(demo_engine_args, solo):
     assert engine.stats.num_preemptions > 0
     for i in range(4):
         assert outputs[f"r{i}"] == solo(prompts[i], 20, ignore_eos=True).outputs[0].token_ids
-    assert outputs["r4"] == solo(prompts[4], 20, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5).outputs[0].token_ids
+    assert (
+        outputs["r4"]
+        == solo(prompts[4], 20, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5).outputs[0].token_ids
+    )
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -161,7 +168,9 @@ def test_prompts_at_block_boundaries(demo_engine_args, solo, block_size):
     base = engine.tokenizer.encode(" ".join(PROMPTS))
     prompts = [base[:n] for n in (block_size - 1, block_size, block_size + 1)]
     for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=block_size + 2, temperature=0, ignore_eos=True))
+        engine.add_request(
+            str(i), ids, SamplingParams(max_tokens=block_size + 2, temperature=0, ignore_eos=True)
+        )
     engine.step()  # the three prefills
     assert [len(engine.block_manager.block_tables[str(i)]) for i in range(3)] == [1, 1, 2]
     outputs = drain(engine, {})
@@ -172,7 +181,9 @@ def test_prompts_at_block_boundaries(demo_engine_args, solo, block_size):
 def test_abort_frees_every_block_and_spares_the_others(demo_engine_args, solo):
     engine = LLMEngine(**demo_engine_args, block_size=4)
     for i in range(3):
-        engine.add_request(f"r{i}", PROMPTS[i + 1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", PROMPTS[i + 1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        )
     engine.add_request("waiting", PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
     for _ in range(6):
         engine.step()
@@ -203,7 +214,9 @@ def test_abort_a_waiting_request(demo_engine_args):
 
 def test_requests_that_can_never_fit_are_refused(demo_engine_args):
     engine = LLMEngine(**demo_engine_args, block_size=4, num_kv_blocks=5)  # 20 tokens in all
-    engine.add_request("ok", list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "ok", list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    )
     with pytest.raises(ValueError, match="no room to generate: at most 19 prompt tokens fit"):
         engine.add_request("too-long", list(range(1, 21)), SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="request_id"):
@@ -395,9 +408,21 @@ def demo_solo(demo_snapshot):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(events=EVENTS, block_size=st.sampled_from([2, 4, 16]), num_kv_blocks=st.integers(8, 40), max_num_seqs=st.integers(1, 5))
-def test_random_schedules_keep_invariants_and_outputs(demo_snapshot, demo_solo, events, block_size, num_kv_blocks, max_num_seqs):
-    engine = LLMEngine(model=str(demo_snapshot), block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+@given(
+    events=EVENTS,
+    block_size=st.sampled_from([2, 4, 16]),
+    num_kv_blocks=st.integers(8, 40),
+    max_num_seqs=st.integers(1, 5),
+)
+def test_random_schedules_keep_invariants_and_outputs(
+    demo_snapshot, demo_solo, events, block_size, num_kv_blocks, max_num_seqs
+):
+    engine = LLMEngine(
+        model=str(demo_snapshot),
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+    )
     rng = random.Random(len(events))
     prompts: list[tuple[list[int], int]] = []  # accepted requests: prompt ids, max_tokens
     aborted: set[str] = set()
@@ -406,7 +431,9 @@ def test_random_schedules_keep_invariants_and_outputs(demo_snapshot, demo_solo, 
         if kind == "add":
             ids = [rng.randrange(engine.config.vocab_size) for _ in range(a)]
             try:
-                engine.add_request(str(len(prompts)), ids, SamplingParams(max_tokens=b, temperature=0, ignore_eos=True))
+                engine.add_request(
+                    str(len(prompts)), ids, SamplingParams(max_tokens=b, temperature=0, ignore_eos=True)
+                )
             except ValueError:  # longer than this small pool can ever hold: refused, the others go on
                 assert a + 1 > engine.max_model_len
                 continue
@@ -433,9 +460,22 @@ def test_random_schedules_keep_invariants_and_outputs(demo_snapshot, demo_solo, 
 
 def test_cli_several_prompts(demo_snapshot):
     result = subprocess.run(
-        [sys.executable, "-m", __package__, "The Python interpreter", "A list comprehension is", "--max-tokens", "6",
-         "--max-num-seqs", "2", "--block-size", "4"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            __package__,
+            "The Python interpreter",
+            "A list comprehension is",
+            "--max-tokens",
+            "6",
+            "--max-num-seqs",
+            "2",
+            "--block-size",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("--- request") == 2

@@ -43,14 +43,18 @@ def triton_usable(device: torch.device | str) -> bool:
 
 # Triton's interpreter (CPU) holds bfloat16 as 16-bit integers and multiplies their bit patterns in tl.dot:
 # the results are garbage, with no error (triton-lang/triton#11584, "not supported yet").
-CPU_BF16_UNSUPPORTED = ("Triton's interpreter (the kernels on a CPU) computes bfloat16 dot products wrongly "
-                        "(triton-lang/triton#11584); on a CPU use float32 or float16, or the torch backend")
+CPU_BF16_UNSUPPORTED = (
+    "Triton's interpreter (the kernels on a CPU) computes bfloat16 dot products wrongly "
+    "(triton-lang/triton#11584); on a CPU use float32 or float16, or the torch backend"
+)
 
 
 def _check_usable(device: torch.device) -> None:
     if not triton_usable(device):
-        raise RuntimeError(f"the Triton kernels run on CUDA tensors, or on {device} tensors through Triton's "
-                           "interpreter, which needs TRITON_INTERPRET=1 set before triton is first imported")
+        raise RuntimeError(
+            f"the Triton kernels run on CUDA tensors, or on {device} tensors through Triton's "
+            "interpreter, which needs TRITON_INTERPRET=1 set before triton is first imported"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -62,21 +66,45 @@ def _check_usable(device: torch.device) -> None:
 # (its width) change from step to step, and the engine's small int tensors are slices of one packed copy,
 # whose alignment changes with the batch: each new kind would stall a step for a compilation (about a
 # second) while a server runs. None of these is specialised (a name a kernel lacks is ignored).
-NOT_SPECIALISED = dict(do_not_specialize=["num_seqs", "stride_bts"],
-                       do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
+NOT_SPECIALISED = dict(
+    do_not_specialize=["num_seqs", "stride_bts"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"],
+)
 
 
 @triton.jit(**NOT_SPECIALISED)
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, qk_scale,
-    stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_on, stride_oh, stride_od,
-    stride_bts, stride_btm,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    qk_scale,
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_on,
+    stride_oh,
+    stride_od,
+    stride_bts,
+    stride_btm,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Causal attention of BLOCK_M query rows of one sequence, one head, over keys read through the block table.
 
@@ -94,7 +122,9 @@ def _paged_attention_kernel(
     IEEE in the interpreter). D is padded to a power of two, the padding masked to 0. A decode is a tile with
     one valid row (BLOCK_M >= 16 keeps tl.dot legal).
     """
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles first: a long prompt's heaviest tiles start early
+    tile = (
+        tl.num_programs(0) - 1 - tl.program_id(0)
+    )  # last tiles first: a long prompt's heaviest tiles start early
     h = tl.program_id(1)
 
     # Which sequence owns this tile: the last s with first_tile(s) <= tile (first_tile increases with s).
@@ -119,8 +149,11 @@ def _paged_attention_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     q_rows = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qn + h * stride_qh + d[None, :] * stride_qd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qn + h * stride_qh + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, D_PAD]
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max of the scores (base 2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(score - m_i)
@@ -133,10 +166,24 @@ def _paged_attention_kernel(
         block = tl.load(block_table + (n // BLOCK_SIZE) * stride_btm, mask=n_ok, other=0).to(tl.int64)
         slot = n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + h * stride_kh
-                    + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + h * stride_vh
-                    + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        k = tl.load(
+            k_ptr
+            + block[:, None] * stride_kb
+            + slot[:, None] * stride_ks
+            + h * stride_kh
+            + d[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, D_PAD]
+        v = tl.load(
+            v_ptr
+            + block[:, None] * stride_vb
+            + slot[:, None] * stride_vs
+            + h * stride_vh
+            + d[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, D_PAD]
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
         scores = tl.where(n[None, :] <= positions[:, None], scores, float("-inf"))  # causal (and n < L)
@@ -150,23 +197,50 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_on + h * stride_oh + d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_on + h * stride_oh + d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @triton.jit(**NOT_SPECIALISED)
 def _paged_decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_max_ptr, part_sum_ptr, part_acc_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
     qk_scale,
-    stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_bts, stride_btm,
-    stride_ps, stride_ph, stride_pj,
-    stride_as, stride_ah, stride_aj, stride_ad,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bts,
+    stride_btm,
+    stride_ps,
+    stride_ph,
+    stride_pj,
+    stride_as,
+    stride_ah,
+    stride_aj,
+    stride_ad,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     """Flash-decoding, part 1: one query of sequence s, head h, against the j-th of NUM_SPLITS slices of its keys.
 
@@ -184,7 +258,9 @@ def _paged_decode_split_kernel(
     q_row = tl.load(query_start_loc_ptr + s).to(tl.int64)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + q_row * stride_qn + h * stride_qh + d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_row * stride_qn + h * stride_qh + d * stride_qd, mask=d_ok, other=0.0).to(
+        tl.float32
+    )
 
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     key_start = j * chunk
@@ -199,10 +275,24 @@ def _paged_decode_split_kernel(
         block = tl.load(block_table + (n // BLOCK_SIZE) * stride_btm, mask=n_ok, other=0).to(tl.int64)
         slot = n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + h * stride_kh
-                    + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + h * stride_vh
-                    + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        k = tl.load(
+            k_ptr
+            + block[:, None] * stride_kb
+            + slot[:, None] * stride_ks
+            + h * stride_kh
+            + d[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, D_PAD]
+        v = tl.load(
+            v_ptr
+            + block[:, None] * stride_vb
+            + slot[:, None] * stride_vs
+            + h * stride_vh
+            + d[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, D_PAD]
         scores = tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale  # [BLOCK_N]
         scores = tl.where(n_ok, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 0))  # finite: key `start` is always valid
@@ -215,16 +305,34 @@ def _paged_decode_split_kernel(
     part = s.to(tl.int64) * stride_ps + h * stride_ph + j * stride_pj
     tl.store(part_max_ptr + part, m_i)
     tl.store(part_sum_ptr + part, l_i)
-    tl.store(part_acc_ptr + s.to(tl.int64) * stride_as + h * stride_ah + j * stride_aj + d * stride_ad, acc, mask=d_ok)
+    tl.store(
+        part_acc_ptr + s.to(tl.int64) * stride_as + h * stride_ah + j * stride_aj + d * stride_ad,
+        acc,
+        mask=d_ok,
+    )
 
 
 @triton.jit(**NOT_SPECIALISED)
 def _combine_splits_kernel(
-    out_ptr, query_start_loc_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    stride_on, stride_oh, stride_od,
-    stride_ps, stride_ph, stride_pj,
-    stride_as, stride_ah, stride_aj, stride_ad,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    out_ptr,
+    query_start_loc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    stride_on,
+    stride_oh,
+    stride_od,
+    stride_ps,
+    stride_ph,
+    stride_pj,
+    stride_as,
+    stride_ah,
+    stride_aj,
+    stride_ad,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """Flash-decoding, part 2: merge the NUM_SPLITS partial softmaxes of sequence s, head h into its output row.
 
@@ -241,23 +349,51 @@ def _combine_splits_kernel(
     part = s.to(tl.int64) * stride_ps + h * stride_ph + j * stride_pj
     m_j = tl.load(part_max_ptr + part, mask=j_ok, other=float("-inf"))  # [SPLITS_PAD]
     l_j = tl.load(part_sum_ptr + part, mask=j_ok, other=0.0)
-    acc_j = tl.load(part_acc_ptr + s.to(tl.int64) * stride_as + h * stride_ah + j[:, None] * stride_aj
-                    + d[None, :] * stride_ad, mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [SPLITS_PAD, D_PAD]
+    acc_j = tl.load(
+        part_acc_ptr
+        + s.to(tl.int64) * stride_as
+        + h * stride_ah
+        + j[:, None] * stride_aj
+        + d[None, :] * stride_ad,
+        mask=j_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [SPLITS_PAD, D_PAD]
     m = tl.max(m_j, 0)
     w = tl.where(m_j == float("-inf"), 0.0, tl.exp2(m_j - m))  # [SPLITS_PAD]
     out = tl.sum(acc_j * w[:, None], 0) / tl.sum(l_j * w, 0)  # [D_PAD]
     q_row = tl.load(query_start_loc_ptr + s).to(tl.int64)
-    tl.store(out_ptr + q_row * stride_on + h * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(
+        out_ptr + q_row * stride_on + h * stride_oh + d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
 
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kn, stride_kh, stride_kd,
-    stride_vn, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    NUM_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     """Store new token i's keys and values [H, D] at its cache slot: block slot // BLOCK_SIZE, offset slot % BLOCK_SIZE.
@@ -277,11 +413,16 @@ def _write_kv_kernel(
     mask = (h < NUM_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + i * stride_kn + h * stride_kh + d * stride_kd, mask=mask)  # [H_PAD, D_PAD]
     v = tl.load(v_ptr + i * stride_vn + h * stride_vh + d * stride_vd, mask=mask)
-    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
+    tl.store(
+        k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd,
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd,
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -310,7 +451,9 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H200's count, so that the choice below is the same on CPU (tests)
 
 
-def choose_num_splits(num_seqs: int, num_heads: int, max_query_len: int, max_kv_len: int, device: torch.device) -> int:
+def choose_num_splits(
+    num_seqs: int, num_heads: int, max_query_len: int, max_kv_len: int, device: torch.device
+) -> int:
     """How many programs share one decode's keys: 1 (the plain kernel) unless S x H programs leave SMs idle
     and the contexts are long enough for the fewest splits of ``SPLIT_COUNTS`` to take ``SPLIT_MIN_KEYS`` each.
 
@@ -331,15 +474,25 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_s
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q must be [N, H, D] float32/float16/bfloat16, got {list(q.shape)} {q.dtype}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != q.shape[1:]:
-        raise ValueError(f"k_cache, v_cache must be [num_blocks, block_size, H, D] = [.., .., {q.shape[1]}, "
-                         f"{q.shape[2]}], got {list(k_cache.shape)} and {list(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache, v_cache must be [num_blocks, block_size, H, D] = [.., .., {q.shape[1]}, "
+            f"{q.shape[2]}], got {list(k_cache.shape)} and {list(v_cache.shape)}"
+        )
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache and v_cache must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"k_cache and v_cache must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}"
+        )
     S = seq_lens.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != S or query_start_loc.shape != (S + 1,):
-        raise ValueError(f"expected block_tables [S, M], seq_lens [S], query_start_loc [S + 1] with S = {S}, "
-                         f"got {list(block_tables.shape)}, {list(seq_lens.shape)}, {list(query_start_loc.shape)}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        raise ValueError(
+            f"expected block_tables [S, M], seq_lens [S], query_start_loc [S + 1] with S = {S}, "
+            f"got {list(block_tables.shape)}, {list(seq_lens.shape)}, {list(query_start_loc.shape)}"
+        )
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if len({t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)}) != 1:
@@ -398,48 +551,121 @@ def paged_attention(
         num_splits = choose_num_splits(S, H, max_query_len, block_tables.shape[1] * block_size, q.device)
     if num_splits > 1:
         if max_query_len != 1:
-            raise ValueError(f"num_splits={num_splits} needs a batch of decodes (max_query_len 1), got {max_query_len}")
-        return _paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, qk_scale,
-                                   num_splits, d_pad, block_n or 64, num_warps or 4, num_stages or 2)
+            raise ValueError(
+                f"num_splits={num_splits} needs a batch of decodes (max_query_len 1), got {max_query_len}"
+            )
+        return _paged_decode_split(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            out,
+            qk_scale,
+            num_splits,
+            d_pad,
+            block_n or 64,
+            num_warps or 4,
+            num_stages or 2,
+        )
 
     cfg = _attention_config(max_query_len, D)
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
     grid = (N // block_m + S, H)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        S, qk_scale,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
-        HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        S,
+        qk_scale,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *block_tables.stride(),
+        HEAD_DIM=D,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=precision,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
     )
     return out
 
 
-def _paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, qk_scale,
-                        num_splits, d_pad, block_n, num_warps, num_stages):
+def _paged_decode_split(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    out,
+    qk_scale,
+    num_splits,
+    d_pad,
+    block_n,
+    num_warps,
+    num_stages,
+):
     """Flash-decoding: partial softmaxes over num_splits key slices per (sequence, head), then their merge."""
     S, (_, H, D) = seq_lens.shape[0], q.shape
     part_max = torch.empty((S, H, num_splits), device=q.device, dtype=torch.float32)  # [S, H, splits]
     part_sum = torch.empty((S, H, num_splits), device=q.device, dtype=torch.float32)  # [S, H, splits]
     part_acc = torch.empty((S, H, num_splits, D), device=q.device, dtype=torch.float32)  # [S, H, splits, D]
     _paged_decode_split_kernel[(S, H, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_max, part_sum, part_acc,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        part_max,
+        part_sum,
+        part_acc,
         qk_scale,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *part_max.stride(), *part_acc.stride(),
-        HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        num_warps=num_warps, num_stages=num_stages,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *part_max.stride(),
+        *part_acc.stride(),
+        HEAD_DIM=D,
+        D_PAD=d_pad,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _combine_splits_kernel[(S, H)](
-        out, query_start_loc, part_max, part_sum, part_acc,
-        *out.stride(), *part_max.stride(), *part_acc.stride(),
-        HEAD_DIM=D, D_PAD=d_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        out,
+        query_start_loc,
+        part_max,
+        part_sum,
+        part_acc,
+        *out.stride(),
+        *part_max.stride(),
+        *part_acc.stride(),
+        HEAD_DIM=D,
+        D_PAD=d_pad,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         num_warps=1,
     )
     return out
 
 
-def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+def warm_up(
+    num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> None:
     """Compile now every kernel variant an engine of this shape can launch: the main kernel in each tile
     configuration of ``_attention_config`` (``TILE_TABLE_QUERY_LENS``) and flash-decoding with each of
     ``SPLIT_COUNTS``, on a tiny batch of the engine's dtypes (int64 metadata, as the model runner's).
@@ -448,7 +674,9 @@ def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, 
     Triton's on-disk cache): without this, the first request that needs one waits for the compiler.
     """
     device = torch.device(device)
-    blocks = -(-max(TILE_TABLE_QUERY_LENS) // block_size)  # one sequence with room for the longest warm-up query
+    blocks = -(
+        -max(TILE_TABLE_QUERY_LENS) // block_size
+    )  # one sequence with room for the longest warm-up query
     k_cache = torch.zeros(blocks, block_size, num_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     block_tables = torch.arange(blocks, device=device)[None, :]  # [1, blocks] int64
@@ -456,11 +684,14 @@ def warm_up(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, 
         q = torch.zeros(query_len, num_heads, head_dim, device=device, dtype=dtype)
         seq_lens = torch.tensor([query_len], device=device)
         query_start_loc = torch.tensor([0, query_len], device=device)
-        paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, query_len, num_splits=num_splits)
+        paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, query_len, num_splits=num_splits
+        )
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store the keys and values of N new tokens into one layer's pool, in place.
 
     k_cache, v_cache: [num_blocks, block_size, H, D]; k, v: [N, H, D] (any strides; cast to the cache's
@@ -469,20 +700,37 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     Raises ValueError on mismatched shapes or devices.
     """
     N, H, D = k.shape
-    if v.shape != k.shape or k_cache.shape[2:] != (H, D) or v_cache.shape != k_cache.shape \
-            or slot_mapping.shape != (N,):
-        raise ValueError(f"expected k, v [N, H, D], caches [num_blocks, block_size, H, D], slot_mapping [N]; got "
-                         f"{list(k.shape)}, {list(v.shape)}, {list(k_cache.shape)}, {list(slot_mapping.shape)}")
+    if (
+        v.shape != k.shape
+        or k_cache.shape[2:] != (H, D)
+        or v_cache.shape != k_cache.shape
+        or slot_mapping.shape != (N,)
+    ):
+        raise ValueError(
+            f"expected k, v [N, H, D], caches [num_blocks, block_size, H, D], slot_mapping [N]; got "
+            f"{list(k.shape)}, {list(v.shape)}, {list(k_cache.shape)}, {list(slot_mapping.shape)}"
+        )
     if len({t.device for t in (k, v, k_cache, v_cache, slot_mapping)}) != 1:
         raise ValueError("all tensors must be on one device")
     _check_usable(k.device)
     if N == 0:
         return
     _write_kv_kernel[(N,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_HEADS=H, H_PAD=triton.next_power_of_2(H), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        NUM_HEADS=H,
+        H_PAD=triton.next_power_of_2(H),
+        HEAD_DIM=D,
+        D_PAD=triton.next_power_of_2(D),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4,
     )
 
 

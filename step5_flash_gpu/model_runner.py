@@ -54,7 +54,9 @@ class ModelRunner:
         logits = self.model(input_ids, positions, self.kv_cache, meta)  # [S, V], one row per sequence
         return self.sample(scheduled.seqs, logits)
 
-    def prepare_inputs(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the step's sequences into one batch: token ids, positions and slot mapping [N] each,
         where each sequence starts, and every sequence's length and block table. Everything goes to the
         device in one copy."""
@@ -77,7 +79,9 @@ class ModelRunner:
         seq_lens = [len(seq) for seq in seqs]
         tables = [blocks.block_tables[seq.request_id] for seq in seqs]
         width = max((len(t) for t in tables), default=1)
-        padded_tables = [x for t in tables for x in t + [0] * (width - len(t))]  # short rows padded with block 0
+        padded_tables = [
+            x for t in tables for x in t + [0] * (width - len(t))
+        ]  # short rows padded with block 0
         N, S, P = len(token_ids), len(seqs), len(scheduled.prefills)
         # one host-to-device copy for the whole step
         packed = self.to_device(token_ids + positions + slots + query_start_loc + seq_lens + padded_tables)
@@ -94,8 +98,11 @@ class ModelRunner:
             block_tables=block_tables.view(S, width),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             attention_backend=self.attention_backend,
-            decode_mask=decode_attention_mask(seq_lens_t[P:], width * self.kv_cache.block_size, self.kv_cache.dtype)
-            if self.attention_backend == "torch" else None,
+            decode_mask=decode_attention_mask(
+                seq_lens_t[P:], width * self.kv_cache.block_size, self.kv_cache.dtype
+            )
+            if self.attention_backend == "torch"
+            else None,
         )
         return input_ids, positions_t, meta
 
@@ -107,7 +114,9 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
         out = sample(
             logits,

@@ -234,7 +234,9 @@ def sample_on_device(
     did not ask). ``to_host`` unpacks it. Arguments and errors as in ``sample``.
     """
     B, V = _check_batch(logits, params, generators, prompt_token_ids, output_token_ids)
-    logits = logits.to(torch.float32, copy=True)  # [B, V]: our own copy, processed in place; the caller's stays
+    logits = logits.to(
+        torch.float32, copy=True
+    )  # [B, V]: our own copy, processed in place; the caller's stays
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]  # rows that draw at random
 
     # penalties, on greedy and sampled rows alike
@@ -278,7 +280,9 @@ def sample_on_device(
     if rows:
         n = min(max(params[i].logprobs for i in rows), V)
         block = torch.zeros(B, 2 + 2 * n, device=logits.device)  # [B, 2 + 2n]
-        block.index_copy_(0, _to_device(rows, torch.long, logits.device), gather_logprobs(logits, rows, ids, n))
+        block.index_copy_(
+            0, _to_device(rows, torch.long, logits.device), gather_logprobs(logits, rows, ids, n)
+        )
         packed = torch.cat([packed, block], dim=1)  # [B, 3 + 2n]
     return packed
 
@@ -300,7 +304,9 @@ def to_host(packed: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput
     return SamplerOutput(token_ids, logprobs)
 
 
-def penalize_repetitions(logits: torch.Tensor, rows: list[int], seen: list[list[int]], penalties: list[float]) -> None:
+def penalize_repetitions(
+    logits: torch.Tensor, rows: list[int], seen: list[list[int]], penalties: list[float]
+) -> None:
     """CTRL's repetition penalty (Keskar et al. 2019; HF's ``RepetitionPenaltyLogitsProcessor``): for
     each listed row, the logit of every token in that row's ``seen`` ids (prompt and output) is divided by
     the penalty if positive, multiplied by it if not. Results are clamped to float32's finite range (an
@@ -315,7 +321,11 @@ def penalize_repetitions(logits: torch.Tensor, rows: list[int], seen: list[list[
 
 
 def penalize_presence_frequency(
-    logits: torch.Tensor, rows: list[int], outputs: list[list[int]], presence: list[float], frequency: list[float]
+    logits: torch.Tensor,
+    rows: list[int],
+    outputs: list[list[int]],
+    presence: list[float],
+    frequency: list[float],
 ) -> None:
     """OpenAI's presence and frequency penalties over the generated tokens only (as vLLM):
     logit[j] -= frequency * count[j] + presence * (count[j] > 0), count[j] = times the output holds j."""
@@ -369,11 +379,15 @@ def keep_min_p(logits: torch.Tensor, rows: list[int], min_ps: list[float]) -> No
     idx = _to_device(rows, torch.long, logits.device)  # [R]
     x = logits.index_select(0, idx)  # [R, V]
     probs = x.softmax(dim=-1)  # [R, V]
-    threshold = _to_device(min_ps, torch.float32, x.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+    threshold = _to_device(min_ps, torch.float32, x.device).unsqueeze(1) * probs.amax(
+        dim=-1, keepdim=True
+    )  # [R, 1]
     logits.index_copy_(0, idx, x.masked_fill(probs < threshold, -math.inf))
 
 
-def exponential_race(logits: torch.Tensor, rows: list[int], generators: list[torch.Generator | None]) -> torch.Tensor:
+def exponential_race(
+    logits: torch.Tensor, rows: list[int], generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """One categorical draw from softmax(logits[row]) for each listed row; returns the ids, [R] int64.
 
     The exponential race: with q_j ~ Exp(1) independent, argmax_j p_j / q_j is token j with probability
@@ -460,7 +474,9 @@ def process_one(
     [V] float32, removed tokens at -inf. Its log_softmax is what ``sample`` reports as logprobs."""
     logits = logits.to(torch.float32, copy=True)  # [V]
     if params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, prompt_token_ids + output_token_ids, params.repetition_penalty)
+        logits = apply_repetition_penalty(
+            logits, prompt_token_ids + output_token_ids, params.repetition_penalty
+        )
     if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         output = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(output, minlength=logits.numel()).float()  # [V]
@@ -473,7 +489,9 @@ def process_one(
         kth_best = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits[logits < kth_best] = -math.inf
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(torch.softmax(logits, dim=-1), descending=True, stable=True)  # [V], [V]
+        sorted_probs, order = torch.sort(
+            torch.softmax(logits, dim=-1), descending=True, stable=True
+        )  # [V], [V]
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the better tokens
         drop = mass_before >= params.top_p  # the token that crosses top_p is kept...
         drop[0] = False  # ...and so is the best one, however small top_p is

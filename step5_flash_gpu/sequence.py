@@ -115,7 +115,9 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the model sees
         self.params = params
-        self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)  # tokens, prompt included
+        self.max_len = min(
+            max_model_len, len(prompt_token_ids) + params.max_tokens
+        )  # tokens, prompt included
         self.eos_token_id = None if params.ignore_eos else tokenizer.eos_token_id
         self.special_token_ids = tokenizer.special_token_ids  # never shown as text
         self.generator = None
@@ -164,7 +166,10 @@ class Sequence:
             released, self.pending = self.pending, ""
         else:
             held = self._stop_prefix_length()
-            released, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
+            released, self.pending = (
+                self.pending[: len(self.pending) - held],
+                self.pending[len(self.pending) - held :],
+            )
         self.text += released
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
@@ -194,7 +199,9 @@ class Sequence:
         kind = self.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
-        tokens, chars = (self.num_sent_tokens, self.num_sent_chars) if kind is RequestOutputKind.DELTA else (0, 0)
+        tokens, chars = (
+            (self.num_sent_tokens, self.num_sent_chars) if kind is RequestOutputKind.DELTA else (0, 0)
+        )
         self.num_sent_tokens, self.num_sent_chars = len(self.output_token_ids), len(self.text)
         completion = CompletionOutput(
             index=0,

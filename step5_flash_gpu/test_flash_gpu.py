@@ -22,9 +22,16 @@ from .kernels import triton_usable
 from .llm import LLM
 from .sampling import SamplingParams
 
-PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised when"]
-needs_triton = pytest.mark.skipif(not triton_usable("cuda" if torch.cuda.is_available() else "cpu"),
-                                  reason="Triton's interpreter was not switched on before triton was imported")
+PROMPTS = [
+    "The Python interpreter",
+    "x",
+    "A list comprehension is a concise way to",
+    "Exceptions are raised when",
+]
+needs_triton = pytest.mark.skipif(
+    not triton_usable("cuda" if torch.cuda.is_available() else "cpu"),
+    reason="Triton's interpreter was not switched on before triton was imported",
+)
 
 
 def step4_outputs(demo_snapshot, prompts, params, **engine_args):
@@ -87,12 +94,29 @@ def test_triton_backend_refused_where_it_cannot_run(demo_snapshot, monkeypatch):
 
 def test_cli_attention_backend(demo_snapshot):
     result = subprocess.run(
-        [sys.executable, "-m", __package__, "The Python interpreter", "x", "--max-tokens", "4", "--attention-backend", "torch"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            __package__,
+            "The Python interpreter",
+            "x",
+            "--max-tokens",
+            "4",
+            "--attention-backend",
+            "torch",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "torch attention" in result.stderr
-    bad = subprocess.run([sys.executable, "-m", __package__, "hi", "--attention-backend", "flash"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", __package__, "hi", "--attention-backend", "flash"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and bad.stdout == ""
 
 
@@ -154,7 +178,12 @@ def test_gpu_engine_compiles_nothing_while_serving(demo_snapshot):
     every prompt length band and batches that grow and shrink launch only kernels compiled already."""
     if not hasattr(getattr(__import__("triton"), "knobs", None), "runtime"):
         pytest.skip("this Triton version has no compile hook to count compilations with")
-    run = subprocess.run([sys.executable, "-c", NO_COMPILE_WHILE_SERVING, str(demo_snapshot)], capture_output=True,
-                         text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    run = subprocess.run(
+        [sys.executable, "-c", NO_COMPILE_WHILE_SERVING, str(demo_snapshot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[0] == "0", run.stdout

@@ -48,7 +48,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture
 def device() -> str:
     if not triton_usable(DEVICE):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: test_small_cases_in_fresh_process runs these")
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1: test_small_cases_in_fresh_process runs these"
+        )
     return DEVICE
 
 
@@ -130,8 +132,10 @@ def test_tile_sizes(device, block_m, block_n):
     check(batch, 1e-4, block_m=block_m, block_n=block_n, num_splits=1)
 
 
-@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, n) for n in (None, 1, 2, 3, 8)]
-                         + [(torch.float16, 1), (torch.float16, 3)])
+@pytest.mark.parametrize(
+    "dtype,num_splits",
+    [(torch.float32, n) for n in (None, 1, 2, 3, 8)] + [(torch.float16, 1), (torch.float16, 3)],
+)
 def test_decode_paths(device, dtype, num_splits):
     """All-decode batches: the plain kernel (1), flash-decoding (k > 1, some splits empty), the automatic choice."""
     cases = [(1, L) for L in (1, 15, 16, 17, 83)]
@@ -150,7 +154,11 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 12, 1, 2047, cpu) == 1  # GPT-2's whole window (1,024) never splits
     assert choose_num_splits(8, 12, 1, 1024, cpu) == 1
     # as a context grows, only powers of two come up: a handful of compiled kernels, not one per length
-    assert {choose_num_splits(s, 12, 1, n, cpu) for s in (1, 2, 4, 8) for n in range(1, 8193, 7)} == {1, 8, 16}
+    assert {choose_num_splits(s, 12, 1, n, cpu) for s in (1, 2, 4, 8) for n in range(1, 8193, 7)} == {
+        1,
+        8,
+        16,
+    }
     assert choose_num_splits(10, 12, 1, 4096, cpu) == 16  # 120 programs leave 12 of 132 SMs idle
     assert choose_num_splits(11, 12, 1, 4096, cpu) == 1  # 132 programs fill them
     assert choose_num_splits(256, 12, 1, 4096, cpu) == 1  # the plain grid fills the GPU
@@ -229,8 +237,14 @@ def test_interpreter_switch_on():
         "triton first, no variable": ("import triton\n", env),
     }
     procs = {
-        name: subprocess.Popen([sys.executable, "-c", pre + SNIPPET], cwd=ROOT, env=e, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        name: subprocess.Popen(
+            [sys.executable, "-c", pre + SNIPPET],
+            cwd=ROOT,
+            env=e,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for name, (pre, e) in runs.items()
     }
     results = {name: p.communicate(timeout=120) + (p.returncode,) for name, p in procs.items()}
@@ -241,11 +255,25 @@ def test_interpreter_switch_on():
     assert rc != 0 and "TRITON_INTERPRET=1" in err
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or triton_usable("cpu"), reason="the small cases ran in this process")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or triton_usable("cpu"), reason="the small cases ran in this process"
+)
 def test_small_cases_in_fresh_process():
     """Another test module imported triton before the interpreter was switched on: rerun this file's small cases."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", str(Path(__file__))]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not gpu",
+        str(Path(__file__)),
+    ]
+    r = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
@@ -262,7 +290,9 @@ def test_gpu_mixed_batch_real_sizes(dtype):
     cases = []
     for i in range(16):
         L = int(torch.randint(1, 1101, (1,), generator=g))
-        cases.append((L if i % 2 else max(1, L // 3), L))  # odd: whole prompt; even: the last third after context
+        cases.append(
+            (L if i % 2 else max(1, L // 3), L)
+        )  # odd: whole prompt; even: the last third after context
     cases += [(1, int(L)) for L in torch.randint(1, 1101, (240,), generator=g)]
     cases += [(1, 1), (1, 1024), (1024, 1024), (1, 1025)]
     batch = make_batch(cases, 12, 64, 16, dtype, "cuda", seed=6)
@@ -331,10 +361,14 @@ def test_gpu_int64_offsets():
     assert (paged_attention(**batch) - paged_attention_reference(**small)).abs().max() <= 1e-2
     decodes = make_batch([(1, 300), (1, 17)], H, D, bs, torch.float16, "cuda", seed=10)
     used = decodes["k_cache"].shape[0]
-    k_cache[num_blocks - used:] = decodes["k_cache"]
-    v_cache[num_blocks - used:] = decodes["v_cache"]
-    big = {**decodes, "k_cache": k_cache, "v_cache": v_cache,
-           "block_tables": decodes["block_tables"] + num_blocks - used}
+    k_cache[num_blocks - used :] = decodes["k_cache"]
+    v_cache[num_blocks - used :] = decodes["v_cache"]
+    big = {
+        **decodes,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": decodes["block_tables"] + num_blocks - used,
+    }
     assert (paged_attention(**big, num_splits=4) - paged_attention_reference(**decodes)).abs().max() <= 1e-2
     slots = (num_blocks - 1) * bs + torch.arange(bs, device="cuda")
     kv = torch.randn(2, bs, H, D, device="cuda", dtype=torch.float16)
@@ -363,7 +397,10 @@ def test_gpu_no_recompilation_as_the_batch_changes():
 
     paged_attention(**decodes(256, 100, 0), num_splits=1)  # the decode tile configuration, compiled once
     compiled = []
-    hook, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, lambda **kw: compiled.append(kw)
+    hook, knobs.runtime.jit_post_compile_hook = (
+        knobs.runtime.jit_post_compile_hook,
+        lambda **kw: compiled.append(kw),
+    )
     try:
         for S, L, offset in [(1, 16, 1), (16, 33, 0), (17, 300, 1), (200, 1000, 3), (32, 1, 2)]:
             batch = decodes(S, L, offset)
@@ -380,8 +417,9 @@ def test_warm_up_runs_every_variant(device):
 
     seen = []
     real = kernels.paged_attention
-    kernels.paged_attention = lambda q, *args, num_splits=None, **kw: seen.append((q.shape[0], num_splits)) or real(
-        q, *args, num_splits=num_splits, **kw)
+    kernels.paged_attention = lambda q, *args, num_splits=None, **kw: (
+        seen.append((q.shape[0], num_splits)) or real(q, *args, num_splits=num_splits, **kw)
+    )
     try:
         for block_size in (8, 32):
             kernels.warm_up(2, 16, block_size, torch.float32, device)

@@ -56,7 +56,14 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -86,8 +93,15 @@ class APIError(Exception):
     headers: extra response headers (``Retry-After`` on 429, ``WWW-Authenticate`` on 401).
     """
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -116,8 +130,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 
 def engine_dead(error: BaseException | None) -> APIError:
-    return APIError(503, f"the engine loop has stopped: {error!r}" if error else "the engine loop has stopped",
-                    "server_error", None, "engine_dead")
+    return APIError(
+        503,
+        f"the engine loop has stopped: {error!r}" if error else "the engine loop has stopped",
+        "server_error",
+        None,
+        "engine_dead",
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -153,25 +172,97 @@ class ServerMetrics:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (engine + inbox).")
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled (engine + inbox)."
+        )
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions (requests evicted and recomputed).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self._success = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
+        self._success = Counter(
+            "vllm:request_success",
+            "Requests finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self._model_name = model_name
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token (s).",
-                              [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                               10.0, 20.0, 40.0, 80.0])
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two outputs of a request (s).",
-                             [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                              1.0, 2.5, 5.0])
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, submitted to finished (s).",
-                             [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                              120.0, 240.0])
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time waiting before the prefill (s).",
-                                    [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0])
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (s).",
+            [
+                0.001,
+                0.005,
+                0.01,
+                0.02,
+                0.04,
+                0.06,
+                0.08,
+                0.1,
+                0.25,
+                0.5,
+                0.75,
+                1.0,
+                2.5,
+                5.0,
+                7.5,
+                10.0,
+                20.0,
+                40.0,
+                80.0,
+            ],
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two outputs of a request (s).",
+            [
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.075,
+                0.1,
+                0.15,
+                0.2,
+                0.3,
+                0.4,
+                0.5,
+                0.75,
+                1.0,
+                2.5,
+                5.0,
+            ],
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, submitted to finished (s).",
+            [
+                0.1,
+                0.3,
+                0.5,
+                0.8,
+                1.0,
+                1.5,
+                2.0,
+                2.5,
+                5.0,
+                10.0,
+                15.0,
+                20.0,
+                30.0,
+                40.0,
+                50.0,
+                60.0,
+                120.0,
+                240.0,
+            ],
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time waiting before the prefill (s).",
+            [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0],
+        )
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
@@ -238,8 +329,12 @@ class AsyncEngine:
     ``alive`` turns False and ``submit`` raises ``EngineDeadError``.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
-                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics | None = None,
+        max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    ):
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
@@ -295,8 +390,10 @@ class AsyncEngine:
             if not self.alive:
                 raise EngineDeadError(repr(self.error) if self.error else "not running")
             if self.num_waiting() + len(requests) > self.max_waiting_requests:
-                raise QueueFullError(f"{self.num_waiting()} requests are waiting (at most "
-                                     f"{self.max_waiting_requests}); this one adds {len(requests)}")
+                raise QueueFullError(
+                    f"{self.num_waiting()} requests are waiting (at most "
+                    f"{self.max_waiting_requests}); this one adds {len(requests)}"
+                )
             self._inbox.extend(("add", r) for r in requests)
             self._pending_adds += len(requests)
         self._wake.set()
@@ -392,9 +489,16 @@ class AsyncEngine:
     def _publish(self, stepped: bool) -> None:
         s = self.engine.stats
         prev = self.stats
-        self.stats = LoopStats(s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage, s.num_used_blocks,
-                               s.num_blocks, s.num_preemptions, prev.steps + stepped,
-                               max(prev.max_running, s.num_running_reqs))
+        self.stats = LoopStats(
+            s.num_running_reqs,
+            s.num_waiting_reqs,
+            s.kv_cache_usage,
+            s.num_used_blocks,
+            s.num_blocks,
+            s.num_preemptions,
+            prev.steps + stepped,
+            max(prev.max_running, s.num_running_reqs),
+        )
         if self.metrics:
             self.metrics.running.set(s.num_running_reqs)
             self.metrics.waiting.set(s.num_waiting_reqs + self._pending_adds)
@@ -454,8 +558,12 @@ class RequestStream:
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Prompt = (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds
-          | Annotated[list[TokenIds], Field(min_length=1)])
+Prompt = (
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=4)] | None
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 
@@ -464,7 +572,7 @@ UNION_HINTS = {
     "prompt": "must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of token ids "
     "(integers >= 0), or a non-empty list of such lists",
     "stop": "must be a non-empty string or a list of at most 4 non-empty strings",
-    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "content": 'must be a string or a list of text parts ({"type": "text", "text": ...})',
 }
 
 
@@ -533,7 +641,9 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions (OpenAI's CreateChatCompletionRequest, text only, + vLLM's extras)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens; both accepted
+    max_tokens: int | None = Field(
+        None, ge=1
+    )  # deprecated by OpenAI for max_completion_tokens; both accepted
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI allows 20; the engine returns 5
@@ -602,7 +712,11 @@ def _clamp(logprob: float) -> float:
 
 
 def _token_text(tokenizer, token_id: int, logprob) -> str:
-    return logprob.decoded_token if logprob is not None and logprob.decoded_token is not None else tokenizer.decode([token_id])
+    return (
+        logprob.decoded_token
+        if logprob is not None and logprob.decoded_token is not None
+        else tokenizer.decode([token_id])
+    )
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], text_offset: int) -> dict:
@@ -627,34 +741,53 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], top_n: 
     """OpenAI's chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
     [the top_n most likely, by rank]}]}``; ``bytes`` are the token's UTF-8 bytes (a token can end inside a
     character, whose text is then U+FFFD). Logprobs are clamped to -9999.0."""
+
     def entry(tid: int, lp) -> dict:
-        return {"token": _token_text(tokenizer, tid, lp), "logprob": _clamp(lp.logprob) if lp else None,
-                "bytes": list(tokenizer.decode_bytes([tid]))}
+        return {
+            "token": _token_text(tokenizer, tid, lp),
+            "logprob": _clamp(lp.logprob) if lp else None,
+            "bytes": list(tokenizer.decode_bytes([tid])),
+        }
 
     content = []
     for tid, lps in zip(token_ids, logprobs):
-        ranked = sorted(((t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= top_n),
-                        key=lambda kv: kv[1].rank)
+        ranked = sorted(
+            ((t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= top_n),
+            key=lambda kv: kv[1].rank,
+        )
         content.append({**entry(tid, lps.get(tid)), "top_logprobs": [entry(t, lp) for t, lp in ranked]})
     return {"content": content}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(data: dict | str) -> str:
     """One Server-Sent Event: ``data: <json>`` and a blank line."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    text = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    )
     return f"data: {text}\n\n"
 
 
 class Server:
     """The handlers' shared state: the engine loop, the model's limits, the served name, the metrics."""
 
-    def __init__(self, engine: LLMEngine, served_model_name: str, bridge: AsyncEngine, metrics: ServerMetrics,
-                 model_root: str | None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        served_model_name: str,
+        bridge: AsyncEngine,
+        metrics: ServerMetrics,
+        model_root: str | None,
+    ):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.config.vocab_size
@@ -669,14 +802,22 @@ class Server:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                           f"`{self.served_model_name}`.", "invalid_request_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.served_model_name}`.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"{param}: token id {bad} is out of range: the vocabulary has {self.vocab_size} "
-                              f"tokens (ids 0..{self.vocab_size - 1})", param)
+            raise bad_request(
+                f"{param}: token id {bad} is out of range: the vocabulary has {self.vocab_size} "
+                f"tokens (ids 0..{self.vocab_size - 1})",
+                param,
+            )
 
     def budget(self, prompt_len: int, max_tokens: int | None, param: str, tokens_param: str) -> int:
         """The tokens to generate: ``max_tokens``, or what is left of the context window if None.
@@ -684,15 +825,22 @@ class Server:
         window = self.max_model_len
         if prompt_len >= window or (max_tokens is not None and prompt_len + max_tokens > window):
             where = "messages" if param == "messages" else "prompt"
-            asked = f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion)" \
-                if max_tokens is not None else f"{prompt_len} tokens in the {where}, which leaves no room for a completion"
-            raise bad_request(f"This model's maximum context length is {window} tokens. However, you requested "
-                              f"{asked}. Please reduce the length of the {where} or the completion.",
-                              param if prompt_len >= window else tokens_param, "context_length_exceeded")
+            asked = (
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion)"
+                if max_tokens is not None
+                else f"{prompt_len} tokens in the {where}, which leaves no room for a completion"
+            )
+            raise bad_request(
+                f"This model's maximum context length is {window} tokens. However, you requested "
+                f"{asked}. Please reduce the length of the {where} or the completion.",
+                param if prompt_len >= window else tokens_param,
+                "context_length_exceeded",
+            )
         return max_tokens if max_tokens is not None else window - prompt_len
 
-    def sampling_params(self, req: _Sampling, max_tokens: int, choice: int, logprobs: int | None,
-                        extra_stop: list[str] = ()) -> SamplingParams:
+    def sampling_params(
+        self, req: _Sampling, max_tokens: int, choice: int, logprobs: int | None, extra_stop: list[str] = ()
+    ) -> SamplingParams:
         """The request's ``SamplingParams`` for choice ``choice`` (seed + choice). Unset fields take vLLM's
         defaults. Raises APIError 400 on what SamplingParams refuses (its ValueError names the field)."""
         if req.stop_token_ids:
@@ -712,7 +860,9 @@ class Server:
                 stop=stop + [s for s in extra_stop if s not in stop],
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
-                seed=None if req.seed is None else (req.seed + choice) % 2**64,  # wraps, as the generator's seed does
+                seed=None
+                if req.seed is None
+                else (req.seed + choice) % 2**64,  # wraps, as the generator's seed does
                 output_kind=RequestOutputKind.DELTA,
             )
         except ValueError as e:
@@ -725,7 +875,9 @@ class Server:
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         if req.logit_bias:
-            raise bad_request("logit_bias: not supported by this server", "logit_bias", "unsupported_parameter")
+            raise bad_request(
+                "logit_bias: not supported by this server", "logit_bias", "unsupported_parameter"
+            )
 
     def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Hand the requests to the engine loop; APIError 503 if the loop is dead, 429 if the queue is full."""
@@ -745,8 +897,11 @@ class Server:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of: only best_of = n is supported", "best_of", "unsupported_parameter")
         if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs: the engine does not compute the prompt's logprobs", "echo",
-                              "unsupported_parameter")
+            raise bad_request(
+                "echo with logprobs: the engine does not compute the prompt's logprobs",
+                "echo",
+                "unsupported_parameter",
+            )
         p = req.prompt
         prompts: list[str | list[int]] = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -763,12 +918,19 @@ class Server:
                 engine_requests.append(EngineRequest(f"{rid}-{i * req.n + j}", ids, params, i * req.n + j))
         echo = {r.index: prompt_texts[r.index // req.n] if req.echo else "" for r in engine_requests}
         prompt_tokens = sum(prompt_lens)
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.served_model_name}
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served_model_name,
+        }
         stream = self.submit(engine_requests)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._sse(stream, self._completion_chunks(stream, head, echo, req.logprobs, prompt_tokens,
-                                                                   include_usage))
+            return await self._sse(
+                stream,
+                self._completion_chunks(stream, head, echo, req.logprobs, prompt_tokens, include_usage),
+            )
         choices = {r.index: Choice(r.index, prompt_lens[r.index // req.n]) for r in engine_requests}
         await self._collect(stream, choices, request)
         body_choices = []
@@ -776,14 +938,34 @@ class Server:
             lp = None
             if req.logprobs is not None:
                 lp = completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, len(echo[c.index]))
-            body_choices.append({"index": c.index, "text": echo[c.index] + c.text, "logprobs": lp,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            body_choices.append(
+                {
+                    "index": c.index,
+                    "text": echo[c.index] + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        return JSONResponse({**head, "choices": body_choices, "usage": usage(prompt_tokens, completion_tokens),
-                             "system_fingerprint": None})
+        return JSONResponse(
+            {
+                **head,
+                "choices": body_choices,
+                "usage": usage(prompt_tokens, completion_tokens),
+                "system_fingerprint": None,
+            }
+        )
 
-    async def _completion_chunks(self, stream, head: dict, echo: dict[int, str], logprobs: int | None,
-                                 prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_chunks(
+        self,
+        stream,
+        head: dict,
+        echo: dict[int, str],
+        logprobs: int | None,
+        prompt_tokens: int,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         started: set[int] = set()
         offsets = {i: len(text) for i, text in echo.items()}  # text_offset of each choice's next token
         completion_tokens = 0
@@ -801,8 +983,13 @@ class Server:
             if logprobs is not None:
                 lp = completion_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], offsets[index])
                 offsets[index] += sum(len(t) for t in lp["tokens"])
-            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason}
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             yield sse({**head, "choices": [choice], **extra})
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
@@ -812,11 +999,17 @@ class Server:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_common(req)
         if req.tools:
-            raise bad_request("tools: not supported by this server (GPT-2 has no tool calling)", "tools",
-                              "unsupported_parameter")
+            raise bad_request(
+                "tools: not supported by this server (GPT-2 has no tool calling)",
+                "tools",
+                "unsupported_parameter",
+            )
         if req.response_format is not None and req.response_format.get("type") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported", "response_format",
-                              "unsupported_parameter")
+            raise bad_request(
+                'response_format: only {"type": "text"} is supported',
+                "response_format",
+                "unsupported_parameter",
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -825,43 +1018,95 @@ class Server:
         max_tokens = self.budget(len(ids), max_tokens, "messages", tokens_param)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        engine_requests = [EngineRequest(f"{rid}-{j}", ids, self.sampling_params(req, max_tokens, j, top_n, [CHAT_STOP]), j)
-                           for j in range(req.n)]
-        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.served_model_name}
+        engine_requests = [
+            EngineRequest(f"{rid}-{j}", ids, self.sampling_params(req, max_tokens, j, top_n, [CHAT_STOP]), j)
+            for j in range(req.n)
+        ]
+        head = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.served_model_name,
+        }
         stream = self.submit(engine_requests)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._sse(stream, self._chat_chunks(stream, {**head, "object": "chat.completion.chunk"},
-                                                             req.n, top_n, len(ids), include_usage))
+            return await self._sse(
+                stream,
+                self._chat_chunks(
+                    stream, {**head, "object": "chat.completion.chunk"}, req.n, top_n, len(ids), include_usage
+                ),
+            )
         choices = {j: Choice(j, len(ids)) for j in range(req.n)}
         await self._collect(stream, choices, request)
         body_choices = []
         for c in choices.values():
             lp = chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, top_n) if top_n is not None else None
-            body_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text,
-                                                               "refusal": None, "tool_calls": []},
-                                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            body_choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in choices.values())
-        return JSONResponse({**head, "choices": body_choices, "usage": usage(len(ids), completion_tokens),
-                             "system_fingerprint": None})
+        return JSONResponse(
+            {
+                **head,
+                "choices": body_choices,
+                "usage": usage(len(ids), completion_tokens),
+                "system_fingerprint": None,
+            }
+        )
 
-    async def _chat_chunks(self, stream, head: dict, n: int, top_n: int | None, prompt_tokens: int,
-                           include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_chunks(
+        self, stream, head: dict, n: int, top_n: int | None, prompt_tokens: int, include_usage: bool
+    ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
         for j in range(n):  # the first chunk of every choice carries the role, as OpenAI's
-            yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], **extra})
+            yield sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": j,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    **extra,
+                }
+            )
         completion_tokens = 0
         async for index, out in stream:
             c = out.outputs[0]
             completion_tokens += len(c.token_ids)
             if not c.text and not c.finish_reason and top_n is None:
                 continue
-            lp = chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], top_n) if top_n is not None else None
+            lp = (
+                chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], top_n)
+                if top_n is not None
+                else None
+            )
             delta = {"content": c.text} if c.text or not c.finish_reason else {}
-            yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
-                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
-                       **extra})
+            yield sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": lp,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ],
+                    **extra,
+                }
+            )
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
@@ -869,6 +1114,7 @@ class Server:
 
     async def _collect(self, stream, choices: dict[int, Choice], request: Request) -> None:
         """Fill ``choices`` from the stream; abort the requests if the client disconnects meanwhile."""
+
         async def consume() -> None:
             async with contextlib.aclosing(stream) as outputs:
                 async for index, out in outputs:
@@ -887,6 +1133,7 @@ class Server:
         An error after the stream has started is one ``data: {"error": ...}`` event, then ``[DONE]``.
         Starlette cancels the body when the client disconnects; the ``finally`` aborts the requests.
         """
+
         async def body() -> AsyncIterator[str]:
             try:
                 async for event in events:
@@ -896,7 +1143,9 @@ class Server:
             except ValueError as e:  # the engine refused a request that passed the entrance
                 yield sse(bad_request(str(e)).body())
             except Exception as e:  # noqa: BLE001 -- the stream has started: report, then end it cleanly
-                yield sse(APIError(500, f"internal error: {e!r}", "server_error", None, "internal_error").body())
+                yield sse(
+                    APIError(500, f"internal error: {e!r}", "server_error", None, "internal_error").body()
+                )
             finally:
                 await events.aclose()
                 await stream.aclose()
@@ -924,8 +1173,14 @@ class EventStreamResponse(StreamingResponse):
 
 
 def queue_full(e: QueueFullError) -> APIError:
-    return APIError(429, f"The server is busy: {e}. Retry later.", "rate_limit_error", None, "rate_limit_exceeded",
-                    headers={"Retry-After": "1"})
+    return APIError(
+        429,
+        f"The server is busy: {e}. Retry later.",
+        "rate_limit_error",
+        None,
+        "rate_limit_exceeded",
+        headers={"Retry-After": "1"},
+    )
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable) -> Any:
@@ -976,12 +1231,22 @@ class Gate:
             given = headers.get("authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                                 "invalid_request_error", None, "invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
+                error = APIError(
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 return await error.response()(scope, receive, send)
-        too_large = APIError(413, f"The request body is over {self.max_body_bytes} bytes.", "invalid_request_error",
-                             None, "request_too_large")
+        too_large = APIError(
+            413,
+            f"The request body is over {self.max_body_bytes} bytes.",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await too_large.response()(scope, receive, send)
@@ -1022,7 +1287,9 @@ def _param(loc: tuple) -> str | None:
     for i, p in enumerate(parts):
         if isinstance(p, int):
             out += f"[{p}]"
-        elif i == 0 or (p.isidentifier() and p in {"role", "content", "include_usage", "type", "text", "name"}):
+        elif i == 0 or (
+            p.isidentifier() and p in {"role", "content", "include_usage", "type", "text", "name"}
+        ):
             out += ("." if out else "") + p
         else:
             break
@@ -1034,8 +1301,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
-        return bad_request(f"The body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None,
-                           "json_invalid")
+        return bad_request(
+            f"The body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+            None,
+            "json_invalid",
+        )
     if first["type"] in ("model_attributes_type", "dict_type") and len(first["loc"]) <= 1:
         return bad_request("The body must be a JSON object.", None, "invalid_type")
     param = _param(tuple(first["loc"]))
@@ -1045,12 +1315,22 @@ def validation_error(exc: RequestValidationError) -> APIError:
         message = f"{param}: {UNION_HINTS[leaf]}"
     else:
         shown = first.get("input")
-        value = f"={json.dumps(shown)}" if isinstance(shown, (int, float, str, bool)) and len(str(shown)) <= 40 \
-            and first["type"] != "missing" else ""
+        value = (
+            f"={json.dumps(shown)}"
+            if isinstance(shown, (int, float, str, bool))
+            and len(str(shown)) <= 40
+            and first["type"] != "missing"
+            else ""
+        )
         message = f"{param}{value}: {first['msg']}" if param else first["msg"]
     kinds = [e["type"] for e in same_field] or [first["type"]]  # a union field: one error per member
-    code = ("missing_required_parameter" if first["type"] == "missing" else "invalid_type"
-            if all(k.endswith("_type") for k in kinds) else "invalid_value")
+    code = (
+        "missing_required_parameter"
+        if first["type"] == "missing"
+        else "invalid_type"
+        if all(k.endswith("_type") for k in kinds)
+        else "invalid_value"
+    )
     return bad_request(message, param, code)
 
 
@@ -1086,8 +1366,13 @@ def build_app(
         finally:
             await asyncio.to_thread(bridge.shutdown)
 
-    app = FastAPI(title="step6_server", summary="An OpenAI-compatible server over the staged GPT-2 engine",
-                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="step6_server",
+        summary="An OpenAI-compatible server over the staged GPT-2 engine",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.server = server
     app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes)
 
@@ -1097,7 +1382,9 @@ def build_app(
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nginx's "client closed request": nobody reads it, nothing is logged
+        return Response(
+            status_code=499
+        )  # nginx's "client closed request": nobody reads it, nothing is logged
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -1107,8 +1394,13 @@ def build_app(
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # 400 here is FastAPI's "error parsing the body" (not UTF-8, nested too deep): not JSON it can read
         code = {400: "json_invalid", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                        "invalid_request_error", None, code).response()
+        return APIError(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}",
+            "invalid_request_error",
+            None,
+            code,
+        ).response()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -1120,19 +1412,34 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": served_model_name, "object": "model", "created": server.created, "owned_by": OWNED_BY,
-                "root": server.model_root, "parent": None, "max_model_len": server.max_model_len}
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": OWNED_BY,
+            "root": server.model_root,
+            "parent": None,
+            "max_model_len": server.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/engine/stats")
     async def engine_stats() -> dict:
         """The engine's figures as JSON (what the web page polls): the last step's batch and KV cache."""
         s = bridge.stats
-        return {"model": served_model_name, "alive": bridge.alive, "running": s.num_running_reqs,
-                "waiting": bridge.num_waiting(), "kv_cache_usage": s.kv_cache_usage,
-                "kv_blocks_used": s.num_used_blocks, "kv_blocks_total": s.num_blocks,
-                "num_preemptions": s.num_preemptions, "steps": s.steps, "max_running": s.max_running,
-                "max_model_len": server.max_model_len}
+        return {
+            "model": served_model_name,
+            "alive": bridge.alive,
+            "running": s.num_running_reqs,
+            "waiting": bridge.num_waiting(),
+            "kv_cache_usage": s.kv_cache_usage,
+            "kv_blocks_used": s.num_used_blocks,
+            "kv_blocks_total": s.num_blocks,
+            "num_preemptions": s.num_preemptions,
+            "steps": s.steps,
+            "max_running": s.max_running,
+            "max_model_len": server.max_model_len,
+        }
 
     @app.get("/health")
     async def health() -> Response:
@@ -1161,27 +1468,53 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _Parser(prog=f"python -m {__package__ or 'step6_server'}",
-                     description="Serve the engine over OpenAI's HTTP API, with a web page at /.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser = _Parser(
+        prog=f"python -m {__package__ or 'step6_server'}",
+        description="Serve the engine over OpenAI's HTTP API, with a web page at /.",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    parser.add_argument("--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder")
+    parser.add_argument(
+        "--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder"
+    )
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="most requests running at once (default 8)")
-    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                        help=f"waiting requests beyond which new ones get 429 (default {DEFAULT_MAX_WAITING_REQUESTS})")
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=8, help="most requests running at once (default 8)"
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help=f"waiting requests beyond which new ones get 429 (default {DEFAULT_MAX_WAITING_REQUESTS})",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks in the pool")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache pool size in bytes")
-    parser.add_argument("--attention-backend", default=None, choices=["auto", "triton", "torch"],
-                        help="attention implementation (engines that have a choice)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
-    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                        help="uvicorn's log level (default warning; info logs every request)")
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["auto", "triton", "torch"],
+        help="attention implementation (engines that have a choice)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default warning; info logs every request)",
+    )
     args = parser.parse_args(argv)
     for name in ("port",):
         if not 0 <= args.port <= 65535:
@@ -1196,8 +1529,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The LLMEngine arguments of the command line; ``attention_backend`` only if this engine takes it."""
-    kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                  block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory)
+    kwargs = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+    )
     if args.attention_backend is not None:
         if "attention_backend" not in inspect.signature(LLMEngine).parameters:
             raise ValueError("--attention-backend: this engine has a single attention implementation")
@@ -1223,16 +1563,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model
-    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    max_body_bytes=args.max_body_bytes, model_root=str(args.model))
+    app = build_app(
+        engine,
+        name,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes,
+        model_root=str(args.model),
+    )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"serving {name} on {url}  (web page: {url}/ , metrics: {url}/metrics)", flush=True)
-    print(f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} "
-          f"-d '{{\"model\": \"{name}\", \"prompt\": \"The Python interpreter\", \"max_tokens\": 32, \"stream\": true}}'",
-          flush=True)
+    print(
+        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',
+        flush=True,
+    )
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2))
     try:
         server.run(sockets=[sock])

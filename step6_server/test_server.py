@@ -39,7 +39,15 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from .engine import LLMEngine
 from .llm import LLM
 from .sampling import Logprob, SamplingParams
-from .server import CHAT_STOP, ChatMessage, build_app, chat_logprobs, completion_logprobs, parse_args, render_chat
+from .server import (
+    CHAT_STOP,
+    ChatMessage,
+    build_app,
+    chat_logprobs,
+    completion_logprobs,
+    parse_args,
+    render_chat,
+)
 
 PROMPTS = [
     "The Python interpreter",
@@ -149,8 +157,16 @@ def test_completion_equals_in_process_engine(client, llm, stream):
             assert r.usage.prompt_tokens == len(llm.engine.tokenizer.encode(prompt))
             assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
         else:
-            chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}))
+            chunks = list(
+                client.completions.create(
+                    model="demo",
+                    prompt=prompt,
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             assert text == expected
             assert all(c.usage is None for c in chunks[:-1])
@@ -162,20 +178,32 @@ def test_completion_equals_in_process_engine(client, llm, stream):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_equals_in_process_engine_on_the_template(client, llm, stream):
     """Chat is the rendered transcript continued greedily, stopping at the user's next turn."""
-    messages = [{"role": "system", "content": "You answer questions about Python."},
-                {"role": "user", "content": "What is a list comprehension?"}]
+    messages = [
+        {"role": "system", "content": "You answer questions about Python."},
+        {"role": "user", "content": "What is a list comprehension?"},
+    ]
     prompt = render_chat([ChatMessage(**m) for m in messages])
     assert prompt.endswith("User: What is a list comprehension?\nAssistant:")
     expected = greedy(llm, prompt, 32, stop=[CHAT_STOP])
     if not stream:
-        r = client.chat.completions.create(model="demo", messages=messages, max_completion_tokens=32, temperature=0)
+        r = client.chat.completions.create(
+            model="demo", messages=messages, max_completion_tokens=32, temperature=0
+        )
         assert isinstance(r, ChatCompletion) and r.object == "chat.completion"
         assert r.choices[0].message.role == "assistant"
         assert r.choices[0].message.content == expected
         assert r.usage.prompt_tokens == len(llm.engine.tokenizer.encode(prompt))
     else:
-        chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model="demo",
+                messages=messages,
+                max_tokens=32,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert all(isinstance(c, ChatCompletionChunk) and c.object == "chat.completion.chunk" for c in chunks)
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -188,8 +216,13 @@ def test_wire_format_validates_against_the_sdk_types(served):
     base = served.url
     body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 5, "logprobs": 2}
     Completion.model_validate(httpx.post(f"{base}/v1/completions", json=body).json())
-    chat = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "logprobs": True,
-            "top_logprobs": 2}
+    chat = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     ChatCompletion.model_validate(httpx.post(f"{base}/v1/chat/completions", json=chat).json())
     with httpx.stream("POST", f"{base}/v1/chat/completions", json={**chat, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -229,16 +262,25 @@ def test_completion_logprobs_object(client, llm):
         assert logprob <= 0 and 1 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(logprob)  # greedy: the sampled token is the most likely
     # streamed: the same tokens, offsets continuing across chunks
-    chunks = list(client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=10, temperature=0,
-                                            logprobs=3, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="demo", prompt=PROMPTS[0], max_tokens=10, temperature=0, logprobs=3, stream=True
+        )
+    )
     streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
     offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
     assert streamed == lp.tokens and offsets == lp.text_offset
 
 
 def test_chat_logprobs_object(client):
-    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
-                                       temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for entry in content:
@@ -260,16 +302,30 @@ def test_echo_stop_and_penalties(client, llm):
     expected = greedy(llm, PROMPTS[2], 24)
     r = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=24, temperature=0, echo=True)
     assert r.choices[0].text == PROMPTS[2] + expected
-    stop = expected[len(expected) // 2: len(expected) // 2 + 3]
+    stop = expected[len(expected) // 2 : len(expected) // 2 + 3]
     if stop.strip():
-        r = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop])
+        r = client.completions.create(
+            model="demo", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop]
+        )
         assert r.choices[0].text == expected[: expected.index(stop)]
         assert r.choices[0].finish_reason == "stop"
     # vLLM's extras and the penalties reach the engine (they validate and run)
-    r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=8, temperature=0.7, seed=1,
-                                  presence_penalty=0.5, frequency_penalty=0.5,
-                                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
-                                              "ignore_eos": True, "stop_token_ids": [0]})
+    r = client.completions.create(
+        model="demo",
+        prompt=PROMPTS[0],
+        max_tokens=8,
+        temperature=0.7,
+        seed=1,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.2,
+            "ignore_eos": True,
+            "stop_token_ids": [0],
+        },
+    )
     assert r.usage.completion_tokens >= 1
 
 
@@ -285,8 +341,9 @@ def test_32_concurrent_streams_each_get_their_solo_output(served, llm):
     running_seen: list[int] = []
 
     async def one(client: openai.AsyncOpenAI, prompt: str, n: int) -> str:
-        stream = await client.completions.create(model="demo", prompt=prompt, max_tokens=n, temperature=0,
-                                                 stream=True)
+        stream = await client.completions.create(
+            model="demo", prompt=prompt, max_tokens=n, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     async def sample(http: httpx.AsyncClient, done: asyncio.Event) -> None:
@@ -296,8 +353,10 @@ def test_32_concurrent_streams_each_get_their_solo_output(served, llm):
 
     async def main() -> list[str]:
         done = asyncio.Event()
-        async with openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0) as client, \
-                httpx.AsyncClient() as http:
+        async with (
+            openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0) as client,
+            httpx.AsyncClient() as http,
+        ):
             sampler = asyncio.create_task(sample(http, done))
             texts = await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
             done.set()
@@ -310,7 +369,9 @@ def test_32_concurrent_streams_each_get_their_solo_output(served, llm):
     assert served.stats()["max_running"] > 1
 
 
-async def _stream_and_maybe_leave(http: httpx.AsyncClient, url: str, body: dict, leave_after: int | None) -> str:
+async def _stream_and_maybe_leave(
+    http: httpx.AsyncClient, url: str, body: dict, leave_after: int | None
+) -> str:
     """Stream a completion; with ``leave_after``, close the connection after that many events."""
     text, events = "", 0
     async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -327,8 +388,14 @@ async def _stream_and_maybe_leave(http: httpx.AsyncClient, url: str, body: dict,
 
 def test_a_disconnected_stream_is_aborted_at_once(served):
     """A client that leaves mid-stream frees its blocks right away, not after its 400 tokens."""
-    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "demo",
+        "prompt": PROMPTS[0],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def main():
         async with httpx.AsyncClient(timeout=30) as http:
@@ -353,8 +420,15 @@ def test_200_requests_with_a_fifth_disconnecting_leave_no_blocks(served):
             jobs = []
             for i in range(200):
                 leave = i % 5 == 0
-                body = {"model": "demo", "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "temperature": 0.8,
-                        "seed": i, "max_tokens": 200 if leave else 8, "ignore_eos": leave, "stream": True}
+                body = {
+                    "model": "demo",
+                    "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}",
+                    "temperature": 0.8,
+                    "seed": i,
+                    "max_tokens": 200 if leave else 8,
+                    "ignore_eos": leave,
+                    "stream": True,
+                }
                 jobs.append(_stream_and_maybe_leave(http, served.url, body, 2 if leave else None))
             return await asyncio.gather(*jobs)
 
@@ -393,8 +467,22 @@ BAD = [
     ("seed 2**64", C, {"prompt": "x", "seed": 2**64}, 400, "seed", "invalid_value"),
     ("stop x5", C, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
     ("stop empty", C, {"prompt": "x", "stop": ""}, 400, "stop", "invalid_value"),
-    ("stop_token_ids<0", C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids[0]", "invalid_value"),
-    ("stop_token_ids vocab", C, {"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids", "invalid_value"),
+    (
+        "stop_token_ids<0",
+        C,
+        {"prompt": "x", "stop_token_ids": [-1]},
+        400,
+        "stop_token_ids[0]",
+        "invalid_value",
+    ),
+    (
+        "stop_token_ids vocab",
+        C,
+        {"prompt": "x", "stop_token_ids": [10**6]},
+        400,
+        "stop_token_ids",
+        "invalid_value",
+    ),
     ("stream str", C, {"prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
     ("ignore_eos int", C, {"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos", "invalid_type"),
     ("prompt missing", C, {"max_tokens": 3}, 400, "prompt", "missing_required_parameter"),
@@ -405,8 +493,22 @@ BAD = [
     ("prompt id<0", C, {"prompt": [1, -2]}, 400, "prompt", None),
     ("prompt id>=vocab", C, {"prompt": [1, 10**6]}, 400, "prompt", "invalid_value"),
     ("prompt too long", C, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
-    ("prompt+max_tokens", C, {"prompt": "word " * 100, "max_tokens": 500}, 400, "max_tokens", "context_length_exceeded"),
-    ("stream_options alone", C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
+    (
+        "prompt+max_tokens",
+        C,
+        {"prompt": "word " * 100, "max_tokens": 500},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "stream_options alone",
+        C,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "invalid_value",
+    ),
     ("echo+logprobs", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
     ("logit_bias", C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
     ("malformed JSON", C, b'{"prompt": "x",', 400, None, "json_invalid"),
@@ -416,12 +518,40 @@ BAD = [
     ("messages []", H, {"messages": []}, 400, "messages", "invalid_value"),
     ("role", H, {"messages": [{"role": "robot", "content": "Hi"}]}, 400, "messages[0].role", "invalid_value"),
     ("content int", H, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
-    ("top_logprobs=6", H, {"messages": MSG, "logprobs": True, "top_logprobs": 6}, 400, "top_logprobs", "invalid_value"),
+    (
+        "top_logprobs=6",
+        H,
+        {"messages": MSG, "logprobs": True, "top_logprobs": 6},
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
     ("top_logprobs alone", H, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ("logprobs str", H, {"messages": MSG, "logprobs": "true"}, 400, "logprobs", "invalid_type"),
-    ("max_completion_tokens=0", H, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", "invalid_value"),
-    ("chat too long", H, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
-    ("chat+max_tokens", H, {"messages": MSG, "max_tokens": 600}, 400, "max_tokens", "context_length_exceeded"),
+    (
+        "max_completion_tokens=0",
+        H,
+        {"messages": MSG, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        "invalid_value",
+    ),
+    (
+        "chat too long",
+        H,
+        {"messages": [{"role": "user", "content": LONG}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "chat+max_tokens",
+        H,
+        {"messages": MSG, "max_tokens": 600},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
     ("tools", H, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
     ("chat unknown model", H, {"messages": MSG, "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("unknown path", "/v1/embeddings", {"input": "x"}, 404, None, "not_found"),
@@ -443,7 +573,9 @@ def test_bad_input_gets_its_status_and_error_body(served, path, body, status, pa
     if code is not None:
         assert error["code"] == code
     if code == "context_length_exceeded":  # the window and both token counts
-        assert "512" in error["message"] and re.search(r"\d+ (tokens )?in the (prompt|messages)", error["message"])
+        assert "512" in error["message"] and re.search(
+            r"\d+ (tokens )?in the (prompt|messages)", error["message"]
+        )
     elif param and status == 400:
         assert param.split("[")[0] in error["message"]
     assert served.bridge.stats.steps == steps, "a refused request reached the engine"
@@ -453,7 +585,9 @@ def test_context_error_names_both_counts_and_the_sdk_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="demo", prompt="word " * 100, max_tokens=500)
     message = e.value.body["message"]
-    assert "512" in message and "500 in the completion" in message and re.search(r"\(\d+ in the prompt", message)
+    assert (
+        "512" in message and "500 in the completion" in message and re.search(r"\(\d+ in the prompt", message)
+    )
 
 
 def test_method_not_allowed_and_body_too_large(served):
@@ -524,8 +658,10 @@ def test_api_key_and_waiting_queue_limit(engine):
         async def main():
             auth = {"Authorization": "Bearer s3cret"}
             async with httpx.AsyncClient(headers=auth, timeout=10) as http:
-                async with http.stream("POST", f"{url}/v1/completions", json=body) as a, \
-                        http.stream("POST", f"{url}/v1/completions", json=body) as b:
+                async with (
+                    http.stream("POST", f"{url}/v1/completions", json=body) as a,
+                    http.stream("POST", f"{url}/v1/completions", json=body) as b,
+                ):
                     assert a.status_code == b.status_code == 200
                     r = await http.post(f"{url}/v1/completions", json=body)
                     assert r.status_code == 429 and r.headers["Retry-After"] == "1"
@@ -566,14 +702,25 @@ def test_health_and_metrics(served, client):
     assert httpx.get(f"{served.url}/health").status_code == 200
     client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     text = httpx.get(f"{served.url}/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+    ):
         assert re.search(rf'^{re.escape(name)}{{.*model_name="demo"', text, re.M), name
-    assert re.search(r'^vllm:request_success_total\{finished_reason="(stop|length)",model_name="demo"\} [1-9]', text,
-                     re.M)
-    tokens = float(re.search(r'^vllm:generation_tokens_total\{model_name="demo"\} (\S+)', text, re.M).group(1))
+    assert re.search(
+        r'^vllm:request_success_total\{finished_reason="(stop|length)",model_name="demo"\} [1-9]', text, re.M
+    )
+    tokens = float(
+        re.search(r'^vllm:generation_tokens_total\{model_name="demo"\} (\S+)', text, re.M).group(1)
+    )
     assert tokens >= 4
 
 
@@ -606,12 +753,26 @@ def test_web_page_streams_a_completion(served, llm):
 
 def _cli(*args: str, **kw) -> subprocess.Popen:
     root = Path(__file__).parent.parent  # the folder that holds this package
-    return subprocess.Popen([sys.executable, "-m", __package__, *args], cwd=root, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", __package__, *args],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("args", [["--port", "70000"], ["--max-num-seqs", "0"], ["--bogus"], ["--dtype", "int3"],
-                                  ["--max-waiting-requests", "-1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--port", "70000"],
+        ["--max-num-seqs", "0"],
+        ["--bogus"],
+        ["--dtype", "int3"],
+        ["--max-waiting-requests", "-1"],
+    ],
+)
 def test_cli_bad_flags_one_line_exit_2(args, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(args)
@@ -646,13 +807,29 @@ def test_cli_serves_then_quits_quietly_on_ctrl_c(demo_snapshot):
 
 def test_null_fields_take_their_defaults(served):
     """OpenAI's request fields are nullable: a client that sends null (as some do) gets the default."""
-    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "temperature": None, "top_p": None,
-             "stop": None, "seed": None, "logprobs": None, "stream": None, "echo": None, "user": None, "logit_bias": None}
+    nulls = {
+        "n": None,
+        "presence_penalty": None,
+        "frequency_penalty": None,
+        "temperature": None,
+        "top_p": None,
+        "stop": None,
+        "seed": None,
+        "logprobs": None,
+        "stream": None,
+        "echo": None,
+        "user": None,
+        "logit_bias": None,
+    }
     body = {"model": "demo", "prompt": "The Python interpreter", "max_tokens": 4, "temperature": 0}
     base_url = served.url
-    with_nulls = httpx.post(f"{base_url}/v1/completions", json={**nulls, **body, "temperature": 0}, timeout=60)
+    with_nulls = httpx.post(
+        f"{base_url}/v1/completions", json={**nulls, **body, "temperature": 0}, timeout=60
+    )
     plain = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
     assert with_nulls.status_code == 200, with_nulls.text
     assert with_nulls.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
-    default_length = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": None, "ignore_eos": True}, timeout=60)
+    default_length = httpx.post(
+        f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": None, "ignore_eos": True}, timeout=60
+    )
     assert default_length.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens

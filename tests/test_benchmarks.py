@@ -20,20 +20,31 @@ from common.tokenizer import Tokenizer, byte_to_unicode
 def tiny_model(tmp_path_factory):
     """A 2-layer random GPT-2 with a 1000-token synthetic vocabulary and a 64-token context window."""
     folder = tmp_path_factory.mktemp("bench-tiny")
-    return str(write_random_snapshot(folder, seed=0, vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=4))
+    return str(
+        write_random_snapshot(folder, seed=0, vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    )
 
 
 def test_kvcache_benchmark_writes_json_and_plot(tiny_model, tmp_path):
     limits = {tiny_model: {"max_tokens": 4, "runs": 1}}  # step1 only at 4 tokens, in the first run only
-    result = kvcache.run([tiny_model], runs=2, gen_lengths=[4, 8], ttft_prompts=[8], step1_limits=limits,
-                         out_dir=tmp_path)
+    result = kvcache.run(
+        [tiny_model], runs=2, gen_lengths=[4, 8], ttft_prompts=[8], step1_limits=limits, out_dir=tmp_path
+    )
 
     written = json.loads((tmp_path / "kvcache-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))  # what was returned is what was written
     assert (tmp_path / "kvcache-cpu.png").stat().st_size > 0
-    assert {"cpu", "cpu_cores", "torch_threads", "platform", "python", "torch", "transformers", "dtype", "date"} <= set(
-        written["machine"]
-    )
+    assert {
+        "cpu",
+        "cpu_cores",
+        "torch_threads",
+        "platform",
+        "python",
+        "torch",
+        "transformers",
+        "dtype",
+        "date",
+    } <= set(written["machine"])
     assert written["workload"]["runs"] == 2
     model = written["models"][tiny_model]
     assert model["step1"] == {"max_tokens": 4, "runs": 1, "capped": True}
@@ -62,7 +73,9 @@ def test_kvcache_benchmark_writes_json_and_plot(tiny_model, tmp_path):
     fp32 = model["kv_cache_bytes"]["float32"]
     assert fp32["formula_bytes_per_token"] == 2 * 2 * 4 * 8 * 4 == fp32["measured_bytes_per_token"]
     assert fp32["context_window_bytes"] == 64 * fp32["formula_bytes_per_token"]
-    assert model["kv_cache_bytes"]["float16"]["formula_bytes_per_token"] == fp32["formula_bytes_per_token"] // 2
+    assert (
+        model["kv_cache_bytes"]["float16"]["formula_bytes_per_token"] == fp32["formula_bytes_per_token"] // 2
+    )
 
     report = kvcache.report(written)
     assert "targets" in report and "step1 capped" in report
@@ -109,20 +122,24 @@ SPREAD = [(5, 3), (12, 9), (3, 12), (20, 4), (8, 8), (15, 6), (9, 2), (4, 10)]
 
 def small_workload(name: str, arrivals: list[float] | None = None) -> dict:
     arrivals = arrivals or [0.0] * len(SPREAD)
-    requests = [{"index": i, "prompt_tokens": p, "max_tokens": n, "arrival_s": a}
-                for i, ((p, n), a) in enumerate(zip(SPREAD, arrivals))]
+    requests = [
+        {"index": i, "prompt_tokens": p, "max_tokens": n, "arrival_s": a}
+        for i, ((p, n), a) in enumerate(zip(SPREAD, arrivals))
+    ]
     return {"name": name, "token_id_seed": 7, "requests": requests}
 
 
 def static_positions(requests: list[tuple[int, int]], batch_size: int) -> int:
     """Token positions a static batch computes: every row the longest prompt + the largest max_tokens."""
-    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     return sum(len(b) * (max(p for p, _ in b) + max(n for _, n in b)) for b in batches)
 
 
 def test_workload_files_load_and_are_deterministic():
     for name in workloads.NAMES:
-        assert workloads.load(name) == workloads.make(name)  # the committed file is what its seeded recipe makes
+        assert workloads.load(name) == workloads.make(
+            name
+        )  # the committed file is what its seeded recipe makes
     mixed, staggered = workloads.load("mixed"), workloads.load("staggered")
     assert len(mixed["requests"]) == 64 and all(r["arrival_s"] == 0 for r in mixed["requests"])
     for r in mixed["requests"]:
@@ -134,7 +151,8 @@ def test_workload_files_load_and_are_deterministic():
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 5
     n = len(staggered["requests"])
     assert [(r["prompt_tokens"], r["max_tokens"]) for r in staggered["requests"]] == [
-        (r["prompt_tokens"], r["max_tokens"]) for r in mixed["requests"][:n]]
+        (r["prompt_tokens"], r["max_tokens"]) for r in mixed["requests"][:n]
+    ]
 
     # token ids: regenerated from the seed for any vocabulary, the same every time, never end-of-text
     first, again = workloads.requests(mixed, 1000), workloads.requests(mixed, 1000)
@@ -150,16 +168,28 @@ def test_workload_files_load_and_are_deterministic():
 
 
 def test_static_batch_benchmark_writes_json_and_plot(tiny_model, tmp_path):
-    result = static_batch.run([tiny_model], runs=2, batch_sizes=[1, 4], equal_prompt_tokens=8, equal_max_tokens=6,
-                              step2_max_requests=2, mixed=small_workload("test-mixed"), mixed_batch_size=4,
-                              out_dir=tmp_path)
+    result = static_batch.run(
+        [tiny_model],
+        runs=2,
+        batch_sizes=[1, 4],
+        equal_prompt_tokens=8,
+        equal_max_tokens=6,
+        step2_max_requests=2,
+        mixed=small_workload("test-mixed"),
+        mixed_batch_size=4,
+        out_dir=tmp_path,
+    )
 
     written = json.loads((tmp_path / "static_batch-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
     assert (tmp_path / "static_batch-cpu.png").stat().st_size > 0
     assert {"cpu", "torch_threads", "torch", "transformers", "dtype", "date"} <= set(written["machine"])
     assert written["workload"]["mixed"]["workload"]["requests"][1] == {
-        "index": 1, "prompt_tokens": 12, "max_tokens": 9, "arrival_s": 0.0}  # exactly what ran
+        "index": 1,
+        "prompt_tokens": 12,
+        "max_tokens": 9,
+        "arrival_s": 0.0,
+    }  # exactly what ran
     model = written["models"][tiny_model]
 
     # a. equal-length requests: one point per batch size, every engine, every run; step2 serves at most 2
@@ -204,9 +234,16 @@ def test_static_batch_benchmark_writes_json_and_plot(tiny_model, tmp_path):
 
 def test_continuous_benchmark_writes_json_and_plot(tiny_model, tmp_path):
     arrivals = [0.0, 0.0, 0.01, 0.012, 0.02, 0.05, 0.06, 0.08]  # seconds: short, so the test stays fast
-    result = continuous.run([tiny_model], runs=2, mixed=small_workload("test-mixed"),
-                            staggered=small_workload("test-staggered", arrivals), max_batch=4, concurrency=[2, 4],
-                            concurrency_requests=6, out_dir=tmp_path)
+    result = continuous.run(
+        [tiny_model],
+        runs=2,
+        mixed=small_workload("test-mixed"),
+        staggered=small_workload("test-staggered", arrivals),
+        max_batch=4,
+        concurrency=[2, 4],
+        concurrency_requests=6,
+        out_dir=tmp_path,
+    )
 
     written = json.loads((tmp_path / "continuous-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
@@ -223,7 +260,11 @@ def test_continuous_benchmark_writes_json_and_plot(tiny_model, tmp_path):
                 assert r["requests_served"] == len(SPREAD) and r["throughput_tok_s"] > 0
                 assert r["ttft_p95_s"] >= r["ttft_p50_s"] > 0 and r["latency_mean_s"] > 0
                 for rec in r["requests"]:  # nobody starts before arriving, and latency counts from arrival
-                    assert rec["arrival_s"] == arrivals[rec["index"]] if name == "staggered" else rec["arrival_s"] == 0
+                    assert (
+                        rec["arrival_s"] == arrivals[rec["index"]]
+                        if name == "staggered"
+                        else rec["arrival_s"] == 0
+                    )
                     assert rec["arrival_s"] <= rec["started_s"] < rec["first_token_s"] <= rec["finished_s"]
         assert point["median"]["step4"]["computed_over_requested"] == 1
         assert point["median"]["step4"]["num_preemptions"] == 0
@@ -275,9 +316,17 @@ def test_percentile_and_target_lines():
 def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     lengths = {"short": {"prompt_tokens": 4, "max_tokens": 4}, "long": {"prompt_tokens": 12, "max_tokens": 6}}
     profile = {**gpu.PROFILE, "dtype": "float32", "batch_size": 2, "steps": 3, "top": 5}
-    result = gpu.run([tiny_model], device="cpu", runs=2, batch_sizes=[1, 2], lengths=lengths,
-                     matrix={"float32": {"short": gpu.ENGINE_NAMES, "long": ("step3", "step4")}}, profile=profile,
-                     dtype_study=gpu.QUICK["dtype_study"], out_dir=tmp_path)
+    result = gpu.run(
+        [tiny_model],
+        device="cpu",
+        runs=2,
+        batch_sizes=[1, 2],
+        lengths=lengths,
+        matrix={"float32": {"short": gpu.ENGINE_NAMES, "long": ("step3", "step4")}},
+        profile=profile,
+        dtype_study=gpu.QUICK["dtype_study"],
+        out_dir=tmp_path,
+    )
 
     written = json.loads((tmp_path / "gpu-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
@@ -289,12 +338,18 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     assert ("step5" in model["skipped"]) is not step5  # skipped, and said so, while the package is missing
 
     # one point per batch size and workload; step 2 at B = 1 only; every run generates exactly what it asks
-    assert [(p["batch_size"], p["workload"]) for p in model["points"]] == [(1, "short"), (1, "long"), (2, "short"),
-                                                                            (2, "long")]
+    assert [(p["batch_size"], p["workload"]) for p in model["points"]] == [
+        (1, "short"),
+        (1, "long"),
+        (2, "short"),
+        (2, "long"),
+    ]
     for point in model["points"]:
         b, n = point["batch_size"], lengths[point["workload"]]["max_tokens"]
         if point["workload"] == "short":  # every engine there; on long, only those the matrix names
-            engines = {"hf", "step3", "step4"} | ({"step2"} if b == 1 else set()) | ({"step5"} if step5 else set())
+            engines = (
+                {"hf", "step3", "step4"} | ({"step2"} if b == 1 else set()) | ({"step5"} if step5 else set())
+            )
             assert set(point["ratios"]) >= {f"{e}/hf" for e in engines - {"hf"}}
         else:
             engines = {"step3", "step4"}
@@ -340,9 +395,17 @@ def test_attention_benchmark_quick_path_matches_the_reference(tiny_model, tmp_pa
     implementation's output equals the fp32 reference, write_kv's pool equals step 4's, and the memory
     model's prediction holds on step 5's engine (run here on the CPU, which reads no memory)."""
     block_bytes = 2 * 2 * 16 * 4 * 8 * 4  # K and V x 2 layers x 16 tokens x 4 heads x 8 x fp32
-    sizes = {**attention.QUICK, "decode_seqs": [1, 2], "decode_ctx": [40], "kv_budgets": [16 * block_bytes],
-             "kv_lengths": [32, 48], "kv_generated": 8}
-    result = attention.run([tiny_model], "cpu", runs=1, sizes=sizes, quick=True, out_dir=tmp_path, measure_memory=True)
+    sizes = {
+        **attention.QUICK,
+        "decode_seqs": [1, 2],
+        "decode_ctx": [40],
+        "kv_budgets": [16 * block_bytes],
+        "kv_lengths": [32, 48],
+        "kv_generated": 8,
+    }
+    result = attention.run(
+        [tiny_model], "cpu", runs=1, sizes=sizes, quick=True, out_dir=tmp_path, measure_memory=True
+    )
 
     written = json.loads((tmp_path / "quick" / "attention-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
@@ -377,12 +440,17 @@ def test_attention_benchmark_quick_path_matches_the_reference(tiny_model, tmp_pa
     # d. the memory model: the predicted number of sequences runs at once, one more does not
     mem = model["memory"]
     assert mem["bytes_per_block"] == block_bytes and mem["weight_bytes"] == 4 * mem["parameters"]
-    assert [(p["sequence_tokens"], p["blocks"], p["sequences"]) for p in mem["points"]] == [(32, 16, 8), (48, 16, 5)]
+    assert [(p["sequence_tokens"], p["blocks"], p["sequences"]) for p in mem["points"]] == [
+        (32, 16, 8),
+        (48, 16, 5),
+    ]
     for p in mem["points"]:
         assert p["predicted_bytes"] == mem["weight_bytes"] + 16 * block_bytes
         engine, more = p["engine"], p["engine_one_more"]
         assert engine["max_running"] == p["sequences"] and engine["num_preemptions"] == 0
-        assert engine["kv_pool_bytes"] == p["kv_pool_bytes"] and engine["generated_tokens"] == 8 * p["sequences"]
+        assert (
+            engine["kv_pool_bytes"] == p["kv_pool_bytes"] and engine["generated_tokens"] == 8 * p["sequences"]
+        )
         assert more["max_running"] < p["sequences"] + 1 or more["num_preemptions"] > 0
         assert engine["peak_bytes"] is None  # read on CUDA only
 
@@ -400,17 +468,24 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
     written = json.loads((tmp_path / "quick" / "server-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
     assert (tmp_path / "quick" / "server-cpu.png").stat().st_size > 0
-    assert len(written["machine"]["load_average_start"]) == 3 and len(written["machine"]["load_average_end"]) == 3
+    assert (
+        len(written["machine"]["load_average_start"]) == 3
+        and len(written["machine"]["load_average_end"]) == 3
+    )
     w = written["workload"]
     model = written["models"]["demo"]
     conc = w["concurrency"]["workload"]["requests"]
-    assert len(conc) == server.QUICK["requests"] and all(r["max_tokens"] <= server.QUICK["max_tokens"] for r in conc)
+    assert len(conc) == server.QUICK["requests"] and all(
+        r["max_tokens"] <= server.QUICK["max_tokens"] for r in conc
+    )
 
     c = model["concurrency"]
     assert c["streams"] == server.STREAMS
     for engine in ("in_process", "http"):
         (run,) = c["runs"][engine]
-        assert run["requests_served"] == len(conc) and run["generated_tokens"] == sum(r["max_tokens"] for r in conc)
+        assert run["requests_served"] == len(conc) and run["generated_tokens"] == sum(
+            r["max_tokens"] for r in conc
+        )
         assert run["steps"] > 0 and run["throughput_tok_s"] > 0
         assert 0 < run["ttft_p50_s"] <= run["ttft_p95_s"] <= run["ttft_p99_s"]
         assert 0 < run["itl_p50_s"] <= run["itl_p99_s"]
@@ -428,7 +503,9 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
     assert p["http_text_equals_in_process"]["per_run"] == [n]
     for engine in ("in_process", "http"):
         records = p["runs"][engine][0]["requests"]
-        assert [r["arrival_s"] for r in records] == p["arrival_s"]  # latency counts from each request's arrival
+        assert [r["arrival_s"] for r in records] == p[
+            "arrival_s"
+        ]  # latency counts from each request's arrival
         assert all(r["arrival_s"] <= r["first_token_s"] for r in records)
 
     report = server.report(written)
@@ -442,23 +519,37 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
     lengths = {"short": {"prompt_tokens": 4, "max_tokens": 3}}
     common = dict(device="cpu", runs=1, batch_sizes=[2], lengths=lengths, dtype_study=None, out_dir=tmp_path)
     profile = {**gpu.PROFILE, "dtype": "float32", "batch_size": 2, "steps": 2, "top": 3}
-    first = gpu.run([tiny_model], matrix={"float32": {"short": ("step3", "step4")}}, profile=profile, **common)
-    second = gpu.run([tiny_model], matrix={"bfloat16": {"short": ("step4",)}}, profile=None, merge=True, **common)
+    first = gpu.run(
+        [tiny_model], matrix={"float32": {"short": ("step3", "step4")}}, profile=profile, **common
+    )
+    second = gpu.run(
+        [tiny_model], matrix={"bfloat16": {"short": ("step4",)}}, profile=None, merge=True, **common
+    )
     model = second["models"][tiny_model]
-    assert [(p["dtype"], set(p["median"])) for p in model["points"]] == [("float32", {"step3", "step4"}),
-                                                                         ("bfloat16", {"step4"})]
+    assert [(p["dtype"], set(p["median"])) for p in model["points"]] == [
+        ("float32", {"step3", "step4"}),
+        ("bfloat16", {"step4"}),
+    ]
     assert model["points"][0] == first["models"][tiny_model]["points"][0]  # kept as it was
     assert model["profiles"] == first["models"][tiny_model]["profiles"] != {}
-    assert second["workload"]["matrix"] == {"float32": {"short": ["step3", "step4"]}, "bfloat16": {"short": ["step4"]}}
+    assert second["workload"]["matrix"] == {
+        "float32": {"short": ["step3", "step4"]},
+        "bfloat16": {"short": ["step4"]},
+    }
     assert [r["dtypes"] for r in second["earlier_runs"]] == [["float32"]]
     assert second["earlier_runs"][0]["machine"] == first["machine"]
     assert json.loads((tmp_path / "gpu-cpu.json").read_text()) == json.loads(json.dumps(second))
     assert "float32: from an earlier run" in gpu.report(second)
 
     # float32 again: its points replaced, nothing left from the first run
-    third = gpu.run([tiny_model], matrix={"float32": {"short": ("step4",)}}, profile=None, merge=True, **common)
+    third = gpu.run(
+        [tiny_model], matrix={"float32": {"short": ("step4",)}}, profile=None, merge=True, **common
+    )
     points = third["models"][tiny_model]["points"]
-    assert [(p["dtype"], set(p["median"])) for p in points] == [("bfloat16", {"step4"}), ("float32", {"step4"})]
+    assert [(p["dtype"], set(p["median"])) for p in points] == [
+        ("bfloat16", {"step4"}),
+        ("float32", {"step4"}),
+    ]
     assert [r["dtypes"] for r in third["earlier_runs"]] == [["bfloat16"]]
     assert third["earlier_runs"][0]["machine"] == second["machine"]
 
@@ -467,8 +558,13 @@ def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
     from benchmarks.__main__ import parse_args
 
     assert parse_args(["gpu", "--dtype", "float32", "--dtype", "bfloat16"]).dtypes == ["float32", "bfloat16"]
-    bad = [["kvcache", "--dtype", "float16"], ["gpu", "--dtype", "float64"], ["gpu", "--dtype", "float32", "--replot"],
-           ["gpu", "--device", "tpu"], ["gpu", "--device", "meta"]]
+    bad = [
+        ["kvcache", "--dtype", "float16"],
+        ["gpu", "--dtype", "float64"],
+        ["gpu", "--dtype", "float32", "--replot"],
+        ["gpu", "--device", "tpu"],
+        ["gpu", "--device", "meta"],
+    ]
     if not torch.cuda.is_available():
         bad.append(["gpu", "--device", "cuda"])  # a clear error before anything runs, not a traceback
     for argv in bad:

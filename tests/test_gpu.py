@@ -37,7 +37,9 @@ def test_seeded_sampling_on_gpu_is_reproducible(step, demo_snapshot):
     module = importlib.import_module(step)
     llm = module.LLM(model=str(demo_snapshot), device="cuda")
     params = module.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=3)
-    assert llm.generate(PROMPTS, params)[0].outputs[0].text == llm.generate(PROMPTS, params)[0].outputs[0].text
+    assert (
+        llm.generate(PROMPTS, params)[0].outputs[0].text == llm.generate(PROMPTS, params)[0].outputs[0].text
+    )
 
 
 def top5_agree(step, demo_snapshot, dtype: str) -> None:
@@ -51,7 +53,9 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
         i = next(i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x != y)
         prefix = reference.tokenizer.encode(prompt) + a.outputs[0].token_ids[:i]
         ids = torch.tensor([prefix], device="cuda")
-        ref_model = importlib.import_module("step0_model").GPT.from_pretrained(str(demo_snapshot), device="cuda")
+        ref_model = importlib.import_module("step0_model").GPT.from_pretrained(
+            str(demo_snapshot), device="cuda"
+        )
         with torch.inference_mode():
             ref_top = ref_model(ids)[0, -1].topk(5).indices.tolist()
             low_top = ref_model.to(low.model.wte.weight.dtype)(ids)[0, -1].topk(5).indices.tolist()
@@ -64,7 +68,9 @@ def test_half_precision_agrees_in_top5(step, dtype, demo_snapshot):
     top5_agree(step, demo_snapshot, dtype)
 
 
-SYNC_BUDGET = 1  # per engine step: the one .tolist() of the batch's sampled ids (and logprobs, packed with them)
+SYNC_BUDGET = (
+    1  # per engine step: the one .tolist() of the batch's sampled ids (and logprobs, packed with them)
+)
 
 
 def syncs_in_one_step(engine) -> int:
@@ -91,8 +97,12 @@ def test_one_host_sync_per_engine_step(step, demo_snapshot):
     mixed = [
         module.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
         module.SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
-        module.SamplingParams(max_tokens=40, temperature=1.0, top_k=20, repetition_penalty=1.2, ignore_eos=True),
-        module.SamplingParams(max_tokens=40, temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True),
+        module.SamplingParams(
+            max_tokens=40, temperature=1.0, top_k=20, repetition_penalty=1.2, ignore_eos=True
+        ),
+        module.SamplingParams(
+            max_tokens=40, temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True
+        ),
     ]
     for i, (prompt, params) in enumerate(zip(PROMPTS, mixed)):
         engine.add_request(f"r{i}", prompt, params)
@@ -101,4 +111,6 @@ def test_one_host_sync_per_engine_step(step, demo_snapshot):
     counts = [syncs_in_one_step(engine) for _ in range(5)]  # decode steps
     assert counts == [SYNC_BUDGET] * 5, counts
     engine.add_request("late", PROMPTS[0], module.SamplingParams(max_tokens=5, temperature=0, logprobs=2))
-    assert syncs_in_one_step(engine) == SYNC_BUDGET  # with a request asking for logprobs (step 4: and a prefill)
+    assert (
+        syncs_in_one_step(engine) == SYNC_BUDGET
+    )  # with a request asking for logprobs (step 4: and a prefill)

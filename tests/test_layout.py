@@ -16,40 +16,86 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = sorted((p for p in ROOT.glob("step[0-9]*_*") if p.is_dir()), key=lambda p: int(p.name[4:].split("_")[0]))
+STEPS = sorted(
+    (p for p in ROOT.glob("step[0-9]*_*") if p.is_dir()), key=lambda p: int(p.name[4:].split("_")[0])
+)
 GENERATING_STEPS = [s for s in STEPS if s.name != "step0_model"]
 
 # Files that a step does not change, by step: they must equal the previous step's byte for byte.
 UNCHANGED_FROM_PREVIOUS = {
     "step1_generate": ["model.py"],
-    "step2_kvcache": ["sampling.py", "sequence.py", "llm.py", "__main__.py", "test_generate.py", "test_sampling.py"],
+    "step2_kvcache": [
+        "sampling.py",
+        "sequence.py",
+        "llm.py",
+        "__main__.py",
+        "test_generate.py",
+        "test_sampling.py",
+    ],
     "step3_static_batch": ["sampling.py", "sequence.py", "llm.py", "test_generate.py", "test_sampling.py"],
-    "step4_paged_continuous": ["sampling.py", "sequence.py", "llm.py", "test_generate.py", "test_sampling.py"],
+    "step4_paged_continuous": [
+        "sampling.py",
+        "sequence.py",
+        "llm.py",
+        "test_generate.py",
+        "test_sampling.py",
+    ],
     "step5_flash_gpu": [
-        "sampling.py", "sequence.py", "llm.py", "scheduler.py", "block_manager.py", "kv_cache.py",
-        "test_generate.py", "test_sampling.py",
+        "sampling.py",
+        "sequence.py",
+        "llm.py",
+        "scheduler.py",
+        "block_manager.py",
+        "kv_cache.py",
+        "test_generate.py",
+        "test_sampling.py",
     ],
     # the server changes no engine file: step 6 is step 5's engine behind HTTP
     "step6_server": [
-        "sampling.py", "sequence.py", "llm.py", "scheduler.py", "block_manager.py", "kv_cache.py", "model.py",
-        "model_runner.py", "engine.py", "kernels.py",
+        "sampling.py",
+        "sequence.py",
+        "llm.py",
+        "scheduler.py",
+        "block_manager.py",
+        "kv_cache.py",
+        "model.py",
+        "model_runner.py",
+        "engine.py",
+        "kernels.py",
     ],
 }
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
-CONCEPT_FILES = ["sampling.py", "sequence.py", "model.py", "model_runner.py", "engine.py", "llm.py", "__main__.py"]
+CONCEPT_FILES = [
+    "sampling.py",
+    "sequence.py",
+    "model.py",
+    "model_runner.py",
+    "engine.py",
+    "llm.py",
+    "__main__.py",
+]
 
 
 def test_layout():
     assert [s.name for s in STEPS] == [
-        "step0_model", "step1_generate", "step2_kvcache", "step3_static_batch", "step4_paged_continuous",
-        "step5_flash_gpu", "step6_server",
+        "step0_model",
+        "step1_generate",
+        "step2_kvcache",
+        "step3_static_batch",
+        "step4_paged_continuous",
+        "step5_flash_gpu",
+        "step6_server",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
             assert (step / name).is_file(), f"{step.name}/{name}"
         assert list(step.glob("test_*.py")), f"{step.name} has no tests"
-    assert sorted(p.name for p in (ROOT / "common").glob("*.py")) == ["__init__.py", "tokenizer.py", "weights.py"]
+    assert sorted(p.name for p in (ROOT / "common").glob("*.py")) == [
+        "__init__.py",
+        "tokenizer.py",
+        "weights.py",
+    ]
     for name in ("README.md", "requirements.txt", ".ci/run", "pytest.ini", "benchmarks/README.md"):
         assert (ROOT / name).is_file(), name
 
@@ -81,7 +127,7 @@ def find_import_circle(folder: Path) -> list[str] | None:
 
     def visit(module: str, path: list[str]) -> list[str] | None:
         if module in path:
-            return path[path.index(module):] + [module]
+            return path[path.index(module) :] + [module]
         if module in done or module not in graph:
             return None
         for imported in sorted(graph[module]):
@@ -117,14 +163,18 @@ def test_engine_code_imports_no_other_step(step):
                 names = [node.module or ""]
             for name in names:
                 top = name.split(".")[0]
-                assert not (re.match(r"step\d+_", top) and top != step.name), f"{path.relative_to(ROOT)} imports {name}"
+                assert not (re.match(r"step\d+_", top) and top != step.name), (
+                    f"{path.relative_to(ROOT)} imports {name}"
+                )
 
 
 @pytest.mark.parametrize("step", list(UNCHANGED_FROM_PREVIOUS), ids=str)
 def test_unchanged_files_are_byte_identical(step):
     previous = STEPS[[s.name for s in STEPS].index(step) - 1]
     for name in UNCHANGED_FROM_PREVIOUS[step]:
-        assert (ROOT / step / name).read_bytes() == (previous / name).read_bytes(), f"{step}/{name} differs from {previous.name}"
+        assert (ROOT / step / name).read_bytes() == (previous / name).read_bytes(), (
+            f"{step}/{name} differs from {previous.name}"
+        )
 
 
 def test_greedy_chain_across_steps(demo_snapshot):
@@ -147,7 +197,11 @@ def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, flags=re.S)
     commands = [line.strip() for block in blocks for line in block.splitlines()]
-    offline = [c for c in commands if c.startswith("python -m step") and "--model gpt2" not in c and "--model distil" not in c]
+    offline = [
+        c
+        for c in commands
+        if c.startswith("python -m step") and "--model gpt2" not in c and "--model distil" not in c
+    ]
     return [c for c in offline if "--device cuda" not in c or torch.cuda.is_available()]
 
 
@@ -159,7 +213,9 @@ def test_readme_has_offline_commands():
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_runs(command):
     args = shlex.split(command)
-    result = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
 
@@ -169,7 +225,10 @@ def code_files(step: Path) -> dict[str, list[str]]:
     return {
         str(p.relative_to(step)): p.read_text().splitlines()
         for p in sorted(step.rglob("*"))
-        if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith("test_") and p.name != "README.md"
+        if p.is_file()
+        and "__pycache__" not in p.parts
+        and not p.name.startswith("test_")
+        and p.name != "README.md"
     }
 
 
@@ -185,7 +244,9 @@ def changed_lines(a: Path, b: Path) -> int:
 
 
 def readme_diff_table() -> dict[tuple[str, str], int]:
-    rows = re.findall(r"^\| `?(step\w+)`? -> `?(step\w+)`? \| (\d[\d,]*) \|", (ROOT / "README.md").read_text(), flags=re.M)
+    rows = re.findall(
+        r"^\| `?(step\w+)`? -> `?(step\w+)`? \| (\d[\d,]*) \|", (ROOT / "README.md").read_text(), flags=re.M
+    )
     return {(a, b): int(n.replace(",", "")) for a, b, n in rows}
 
 

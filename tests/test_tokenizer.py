@@ -121,13 +121,24 @@ ADDED_TOKEN_LAYOUTS = {
     # transformers < 4.34: added_tokens.json gives the ids, special_tokens_map.json says which are special
     "added_tokens.json": {
         "added_tokens.json": {"<|pad|>": 8192, "<|user|>": 8193, "<think>": 8194},
-        "special_tokens_map.json": {"pad_token": "<|pad|>", "eos_token": "<|endoftext|>", "additional_special_tokens": ["<|user|>"]},
+        "special_tokens_map.json": {
+            "pad_token": "<|pad|>",
+            "eos_token": "<|endoftext|>",
+            "additional_special_tokens": ["<|user|>"],
+        },
     },
     # transformers >= 4.34: tokenizer_config.json's added_tokens_decoder, with HF's AddedToken flags
     "added_tokens_decoder": {
         "tokenizer_config.json": {
             "added_tokens_decoder": {
-                str(i): {"content": content, "lstrip": lstrip, "rstrip": rstrip, "normalized": False, "single_word": False, "special": special}
+                str(i): {
+                    "content": content,
+                    "lstrip": lstrip,
+                    "rstrip": rstrip,
+                    "normalized": False,
+                    "single_word": False,
+                    "special": special,
+                }
                 for i, content, lstrip, rstrip, special in [
                     (8191, "<|endoftext|>", False, False, True),
                     (8192, "<|im_start|>", False, False, True),
@@ -145,7 +156,13 @@ ADDED_TOKEN_LAYOUTS = {
     "named special tokens": {
         "added_tokens.json": {"<y>": 8192},
         "special_tokens_map.json": {
-            "mask_token": {"content": "<mask>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False},
+            "mask_token": {
+                "content": "<mask>",
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            },
             "pad_token": "<pad>",
             "additional_special_tokens": ["<x>", "<pad>"],
         },
@@ -154,7 +171,14 @@ ADDED_TOKEN_LAYOUTS = {
         "tokenizer_config.json": {
             "added_tokens_decoder": {"8192": {"content": "<a>", "special": False}},
             "pad_token": "<a>",  # named: special although added_tokens_decoder says otherwise
-            "sep_token": {"__type": "AddedToken", "content": "<new>", "lstrip": False, "normalized": True, "rstrip": False, "single_word": False},
+            "sep_token": {
+                "__type": "AddedToken",
+                "content": "<new>",
+                "lstrip": False,
+                "normalized": True,
+                "rstrip": False,
+                "single_word": False,
+            },
             "additional_special_tokens": ["<z>"],
         },
     },
@@ -230,7 +254,16 @@ def test_ids_the_tokenizer_lacks_decode_to_nothing(demo_tokenizers):
     assert ours.decode([8196]) == hf.decode([8196]) == ""
     assert ours.decode_bytes([8196, 8255]) == b""
     detok = IncrementalDetokenizer(ours)
-    assert [detok.push(i) for i in ids] + [detok.flush()] == ["H", "", "el", "<|endoftext|>", "", "lo", "", ""]
+    assert [detok.push(i) for i in ids] + [detok.flush()] == [
+        "H",
+        "",
+        "el",
+        "<|endoftext|>",
+        "",
+        "lo",
+        "",
+        "",
+    ]
 
 
 def test_unknown_id_inside_a_split_character(demo_tokenizers):
@@ -242,7 +275,9 @@ def test_unknown_id_inside_a_split_character(demo_tokenizers):
     assert ours.decode([first, 8196, *rest]) == "😀"
 
 
-GENERATING_STEPS = sorted(p.name for p in DEMO_CHECKPOINT.parent.parent.glob("step[1-9]*_*") if (p / "__init__.py").is_file())
+GENERATING_STEPS = sorted(
+    p.name for p in DEMO_CHECKPOINT.parent.parent.glob("step[1-9]*_*") if (p / "__init__.py").is_file()
+)
 
 
 def completion(output):
@@ -267,15 +302,23 @@ def test_generation_emitting_ids_beyond_the_tokenizer(padded_vocab_snapshot, tmp
         folder = tmp_path / "with-added-tokens"
         shutil.copytree(padded_vocab_snapshot, folder)
         names = ["<a>", "<b>", "<c>", "<d>", "<|user|>"]  # ids 8192 ... 8196
-        (folder / "added_tokens.json").write_text(json.dumps({name: 8192 + i for i, name in enumerate(names)}))
+        (folder / "added_tokens.json").write_text(
+            json.dumps({name: 8192 + i for i, name in enumerate(names)})
+        )
     hf = AutoTokenizer.from_pretrained(folder)
     module = importlib.import_module(step)
     llm = module.LLM(model=str(folder))
-    (out,) = llm.generate(["Hello"], module.SamplingParams(max_tokens=60, temperature=1.0, seed=7, ignore_eos=True))
+    (out,) = llm.generate(
+        ["Hello"], module.SamplingParams(max_tokens=60, temperature=1.0, seed=7, ignore_eos=True)
+    )
     ids = completion(out).token_ids
     assert UNNAMED_TOKEN_ID in ids
-    assert completion(out).text == hf.decode(ids, skip_special_tokens=True)  # the engine shows no special token
-    streamed = "".join(llm.stream("Hello", module.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    assert completion(out).text == hf.decode(
+        ids, skip_special_tokens=True
+    )  # the engine shows no special token
+    streamed = "".join(
+        llm.stream("Hello", module.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    )
     assert streamed == hf.decode([UNNAMED_TOKEN_ID] * 5) == ("<|user|>" * 5 if added_tokens else "")
 
 
@@ -294,7 +337,10 @@ def test_step0_cli_prints_an_id_the_tokenizer_lacks(padded_vocab_snapshot, capsy
         ({"added_tokens.json": {"<a>": "8192"}}, "added_tokens.json: expected an object"),
         ({"added_tokens.json": {"<a>": -1}}, "added_tokens.json: expected an object"),
         ({"added_tokens.json": {"": 8192}}, "empty"),
-        ({"tokenizer_config.json": {"added_tokens_decoder": {"x": {"content": "<a>"}}}}, "added_tokens_decoder"),
+        (
+            {"tokenizer_config.json": {"added_tokens_decoder": {"x": {"content": "<a>"}}}},
+            "added_tokens_decoder",
+        ),
         ({"tokenizer_config.json": {"added_tokens_decoder": {"8192": "<a>"}}}, "added_tokens_decoder"),
         ({"tokenizer_config.json": {"pad_token": 3}}, "pad_token"),
         ({"special_tokens_map.json": {"additional_special_tokens": "<a>"}}, "additional_special_tokens"),
@@ -325,8 +371,12 @@ def test_a_prompt_with_an_added_token_the_model_lacks_is_refused(demo_snapshot, 
     folder = tmp_path / "model"
     shutil.copytree(demo_snapshot, folder)
     (folder / "added_tokens.json").write_text(json.dumps({"<|user|>": 8192}))
-    result = subprocess.run([sys.executable, "-m", step, "<|user|> hello", "--model", str(folder)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", step, "<|user|> hello", "--model", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "vocabulary" in lines[0], result.stderr

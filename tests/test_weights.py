@@ -71,13 +71,17 @@ def test_alias_maps_to_openai_repo_and_offline_fails_fast(fake_hub, monkeypatch)
     assert asked == {"repo_id": "openai-community/gpt2", "timeout": weights.HUB_TIMEOUT_S}
     assert weights.HUB_TIMEOUT_S <= 5
     message = str(err.value)
-    assert "openai-community/gpt2" in message and "could not be reached" in message and "local folder" in message
+    assert (
+        "openai-community/gpt2" in message and "could not be reached" in message and "local folder" in message
+    )
     assert fake_hub == [("snapshot_download", "openai-community/gpt2", True)]  # the cache was tried first
 
 
 def test_unknown_hub_model_is_a_value_error(fake_hub, monkeypatch):
     def model_info(self, repo_id, timeout=None):
-        error = huggingface_hub.errors.RepositoryNotFoundError.__new__(huggingface_hub.errors.RepositoryNotFoundError)
+        error = huggingface_hub.errors.RepositoryNotFoundError.__new__(
+            huggingface_hub.errors.RepositoryNotFoundError
+        )
         Exception.__init__(error, "404 Client Error: Repository Not Found")
         raise error
 
@@ -185,7 +189,10 @@ TIED_LAYOUTS = {
     "bare + lm_head": lambda sd: {**bare(sd), "lm_head.weight": sd["transformer.wte.weight"].clone()},
     # tools that save a tied tensor once may keep the LM head's name rather than the embedding's
     "prefixed, lm_head only": lambda sd: {**without_wte(sd), "lm_head.weight": sd["transformer.wte.weight"]},
-    "bare, lm_head only": lambda sd: {**without_wte(bare(sd)), "lm_head.weight": sd["transformer.wte.weight"]},
+    "bare, lm_head only": lambda sd: {
+        **without_wte(bare(sd)),
+        "lm_head.weight": sd["transformer.wte.weight"],
+    },
     "mixed prefixes": lambda sd: {**without_wte(sd), "wte.weight": sd["transformer.wte.weight"]},
 }
 
@@ -209,7 +216,11 @@ def write_checkpoint(src, folder, tensors: dict, shards: int = 1):
     files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
     weight_map = {name: files[min(i * shards // len(names), shards - 1)] for i, name in enumerate(names)}
     for file in files:
-        save_file({n: tensors[n] for n, f in weight_map.items() if f == file}, folder / file, metadata={"format": "pt"})
+        save_file(
+            {n: tensors[n] for n, f in weight_map.items() if f == file},
+            folder / file,
+            metadata={"format": "pt"},
+        )
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -230,7 +241,9 @@ def hf_logits(folder, input_ids):
 def test_tied_weight_layouts_load_as_in_hf(tiny_snapshot, tmp_path, layout, shards):
     from step0_model import GPT
 
-    folder = write_checkpoint(tiny_snapshot, tmp_path / "checkpoint", TIED_LAYOUTS[layout](saved_tensors(tiny_snapshot)), shards)
+    folder = write_checkpoint(
+        tiny_snapshot, tmp_path / "checkpoint", TIED_LAYOUTS[layout](saved_tensors(tiny_snapshot)), shards
+    )
     input_ids = torch.tensor([[5, 300, 8191, 42, 7, 1000]])
     with torch.no_grad():
         ours = GPT.from_pretrained(str(folder))(input_ids)
@@ -240,7 +253,9 @@ def test_tied_weight_layouts_load_as_in_hf(tiny_snapshot, tmp_path, layout, shar
 def untied(tiny_snapshot, folder, prefix: str):
     sd = saved_tensors(tiny_snapshot)
     tensors = sd if prefix else bare(sd)
-    return write_checkpoint(tiny_snapshot, folder, {**tensors, "lm_head.weight": sd["transformer.wte.weight"] + 0.5})
+    return write_checkpoint(
+        tiny_snapshot, folder, {**tensors, "lm_head.weight": sd["transformer.wte.weight"] + 0.5}
+    )
 
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])
@@ -256,12 +271,18 @@ def test_untied_lm_head_is_a_value_error(tiny_snapshot, tmp_path, prefix):
 
 def test_a_tensor_saved_twice_must_agree(tiny_snapshot, tmp_path):
     sd = saved_tensors(tiny_snapshot)
-    same = write_checkpoint(tiny_snapshot, tmp_path / "same", {**sd, "ln_f.weight": sd["transformer.ln_f.weight"].clone()})
-    other = write_checkpoint(tiny_snapshot, tmp_path / "other", {**sd, "ln_f.weight": sd["transformer.ln_f.weight"] * 2})
+    same = write_checkpoint(
+        tiny_snapshot, tmp_path / "same", {**sd, "ln_f.weight": sd["transformer.ln_f.weight"].clone()}
+    )
+    other = write_checkpoint(
+        tiny_snapshot, tmp_path / "other", {**sd, "ln_f.weight": sd["transformer.ln_f.weight"] * 2}
+    )
     from step0_model import GPT
 
     GPT.from_pretrained(str(same))
-    with pytest.raises(ValueError, match=r"'(transformer\.)?ln_f.weight' and '(transformer\.)?ln_f.weight' differ$"):
+    with pytest.raises(
+        ValueError, match=r"'(transformer\.)?ln_f.weight' and '(transformer\.)?ln_f.weight' differ$"
+    ):
         GPT.from_pretrained(str(other))
 
 
@@ -282,10 +303,14 @@ def test_padded_vocabulary_loads(padded_vocab_snapshot):
     from step0_model import GPT
 
     model = GPT.from_pretrained(str(padded_vocab_snapshot))
-    assert model.wte.weight.shape[0] == model.config.vocab_size == 8256 > len(Tokenizer(padded_vocab_snapshot))
+    assert (
+        model.wte.weight.shape[0] == model.config.vocab_size == 8256 > len(Tokenizer(padded_vocab_snapshot))
+    )
     input_ids = torch.tensor([[5, 300, 8191, 42]])
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids), hf_logits(padded_vocab_snapshot, input_ids), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            model(input_ids), hf_logits(padded_vocab_snapshot, input_ids), atol=1e-4, rtol=0
+        )
 
 
 def test_snapshot_files_include_the_added_token_files():

@@ -78,8 +78,11 @@ def make(name: str) -> dict:
         return {
             "name": "mixed",
             "description": "requests of widely spread lengths, all arriving at time 0",
-            "recipe": {**MIXED, "distribution": "log-uniform: round(exp(uniform(ln lo, ln hi))), lengths drawn "
-                       "prompt then max_tokens per request from random.Random(seed)"},
+            "recipe": {
+                **MIXED,
+                "distribution": "log-uniform: round(exp(uniform(ln lo, ln hi))), lengths drawn "
+                "prompt then max_tokens per request from random.Random(seed)",
+            },
             "token_id_seed": MIXED["token_id_seed"],
             "requests": [{"index": i, **r, "arrival_s": 0.0} for i, r in enumerate(requests)],
         }
@@ -94,8 +97,11 @@ def make(name: str) -> dict:
         return {
             "name": "staggered",
             "description": "the mixed workload's first requests, arriving over time as a Poisson process",
-            "recipe": {**STAGGERED, "arrivals": "first at 0 s, then exponential gaps of mean 1 / rate "
-                       "(random.Random(seed).expovariate(rate)), rounded to 0.1 ms"},
+            "recipe": {
+                **STAGGERED,
+                "arrivals": "first at 0 s, then exponential gaps of mean 1 / rate "
+                "(random.Random(seed).expovariate(rate)), rounded to 0.1 ms",
+            },
             "token_id_seed": base["token_id_seed"],
             "arrival_rate_per_s": STAGGERED["arrival_rate_per_s"],
             "requests": requests,
@@ -140,8 +146,9 @@ def _dumps(workload: dict) -> str:
     return head[:-2] + ',\n "requests": [\n' + rows + "\n ]\n}\n"
 
 
-def take(workload: dict, n: int | None = None, max_prompt_tokens: int | None = None,
-         max_tokens: int | None = None) -> dict:
+def take(
+    workload: dict, n: int | None = None, max_prompt_tokens: int | None = None, max_tokens: int | None = None
+) -> dict:
     """A smaller copy of a workload: its first ``n`` requests, lengths capped (for --quick and tests).
 
     The copy records what was taken in ``derived``, so a result's JSON says exactly what ran. Token ids
@@ -154,8 +161,12 @@ def take(workload: dict, n: int | None = None, max_prompt_tokens: int | None = N
             r["prompt_tokens"] = min(r["prompt_tokens"], max_prompt_tokens)
         if max_tokens is not None:
             r["max_tokens"] = min(r["max_tokens"], max_tokens)
-    small["derived"] = {"from": workload["name"], "first_n": n, "max_prompt_tokens": max_prompt_tokens,
-                        "max_tokens": max_tokens}
+    small["derived"] = {
+        "from": workload["name"],
+        "first_n": n,
+        "max_prompt_tokens": max_prompt_tokens,
+        "max_tokens": max_tokens,
+    }
     return small
 
 
@@ -171,8 +182,10 @@ def requests(workload: dict, vocab_size: int, context_window: int | None = None)
     for r in workload["requests"]:
         total = r["prompt_tokens"] + r["max_tokens"]
         if context_window is not None and total > context_window:
-            raise ValueError(f"workload {workload['name']!r}, request {r['index']}: {r['prompt_tokens']} prompt + "
-                             f"{r['max_tokens']} new tokens do not fit the context window of {context_window}")
+            raise ValueError(
+                f"workload {workload['name']!r}, request {r['index']}: {r['prompt_tokens']} prompt + "
+                f"{r['max_tokens']} new tokens do not fit the context window of {context_window}"
+            )
         generator = torch.Generator().manual_seed(workload["token_id_seed"] + r["index"])
         draws = max(256, r["prompt_tokens"])
         ids = torch.randint(0, vocab_size - 1, (draws,), generator=generator)[: r["prompt_tokens"]].tolist()
@@ -186,8 +199,10 @@ def equal(num_requests: int, prompt_tokens: int, max_tokens: int, token_id_seed:
     return {
         "name": f"equal-{num_requests}",
         "token_id_seed": token_id_seed,
-        "requests": [{"index": i, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "arrival_s": 0.0}
-                     for i in range(num_requests)],
+        "requests": [
+            {"index": i, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "arrival_s": 0.0}
+            for i in range(num_requests)
+        ],
     }
 
 
