@@ -1,45 +1,12 @@
-"""Step 5's kernels against the PyTorch ways, one operation at a time, and a KV-memory model (issue 11, 5a, 5d).
+"""Step 5's kernels against the PyTorch ways, one operation at a time, and a KV-memory model.
 
-The attention shape comes from the model's config (``gpt2-124m-random``: 12 heads x 64, 12 layers), fp16,
-KV blocks of 16 tokens, random data from a fixed seed, on one GPU:
-
-a. **Causal prefill**, T = 128 ... 8192 tokens, one sequence and a batch of 8 sequences of T: materialised
-   T x T attention (q k^T, mask, softmax, @ v: what step 1 did), ``F.scaled_dot_product_attention(
-   is_causal=True)`` on contiguous tensors (step 4's prefill), and the Triton kernel (``paged_attention``)
-   reading K and V in place from a paged pool (a shuffled block table). Time, TFLOP/s (causal: 2 x 2 x H x
-   D x T(T+1)/2 per sequence), and the peak memory the call adds (``torch.cuda.max_memory_allocated``
-   minus what was allocated before; out of memory is recorded, not fatal).
-b. **Paged decode**, S = 1 ... 256 sequences x 128 ... 4096 tokens of context, one new query each: step
-   4's way (``step4_paged_continuous.PagedKVCache.gather``, a contiguous copy of every sequence's blocks,
-   then the masked SDPA call of step 4's ``model.paged_attention``, its decode branch) against the Triton
-   kernel: its own choice (``auto``: ``choose_num_splits``), the plain kernel forced (``plain``), and
-   flash-decoding forced with 4 and 16 splits. Achieved bandwidth = the bytes of K and V the sequences own /
-   time, over the copy bandwidth measured in the same run (``harness.copy_bandwidth``).
-c. **write_kv**: the Triton kernel against step 4's ``PagedKVCache.write`` (indexing: ``k_cache.view(-1, H,
-   D)[slots] = k``, and the same for v), N = 1 ... 8192 new tokens into random slots of a 16384-block pool.
-d. **KV memory model**: from the config, the dtype, the block size and a KV-cache budget, the blocks that fit
-   (budget // bytes per block, bytes per block = 2 x n_layer x block_size x n_head x head_dim x itemsize),
-   the sequences of a given length that fit at once (blocks // blocks per sequence) and the memory the
-   engine takes (weights + blocks x bytes per block). On CUDA, checked: a ``step5_flash_gpu.LLMEngine`` with
-   ``kv_cache_memory`` = the budget runs that many sequences of that length (``max_num_seqs`` = that many,
-   192 generated tokens each, so that all are admitted before the first ends; the most running at once, the
-   preemptions), then one more (at full length they do not fit: one is preempted, unless the first ones end
-   before the last ones need their last block), and ``torch.cuda.max_memory_allocated`` is set beside the
-   prediction. On a CPU: the prediction only.
-
-Every output is compared with ``paged_attention_reference`` (kernels.py: textbook attention in fp32, one
-sequence at a time): ``max_abs_diff`` per implementation; write_kv's pools must come out equal.
-
-Timing: on a GPU ``triton.testing.do_bench`` (25 ms warm-up, 100 ms of calls, the median; it synchronises
-and clears the L2 cache between calls), on a CPU the median of ``perf_counter`` around single calls. Each
-point calls every implementation once untimed first (compilation, allocator; its peak memory is read
-then), then ``--runs`` rounds with the implementations in rotating order; medians over rounds, ratios
-the medians of per-round ratios.
-
-Targets (issue 11): the prefill kernel faster than materialised at every T >= 256 and within 1.5x of SDPA
-at T >= 2048, its memory O(T) (the exponent of peak memory in T, from the smallest to the largest T, <=
-1.1: materialised is 2); paged decode >= 2x step 4's gather + SDPA at 256 sequences x 1024 tokens, and >=
-50% of the copy bandwidth there.
+On the attention shape of the model's config (``gpt2-124m-random``: 12 heads x 64), fp16, KV blocks of 16
+tokens, random data from a fixed seed, on one GPU: a. causal prefill (materialised T x T attention, torch's
+SDPA, the Triton kernel reading a paged pool in place), b. paged decode (step 4's gather + SDPA against the
+Triton kernel, plain and flash-decoding), c. ``write_kv`` against step 4's indexing, d. the KV memory model
+(the blocks and sequences a budget holds, checked on the engine on CUDA). Every output is compared with
+``paged_attention_reference``; ``triton.testing.do_bench`` times on a GPU, the implementations alternated
+in rounds. Sizes, figures, targets and the JSON layout: benchmarks/README.md.
 
     python -m benchmarks attention --device cuda   # on one H200
     python -m benchmarks attention --quick         # on the CPU through Triton's interpreter: tiny sizes, fp32
@@ -91,7 +58,8 @@ FULL = {
     "write_pool_blocks": 16384,
     "kv_budgets": [2**30, 4 * 2**30],  # KV-cache bytes
     "kv_lengths": [256, 1024],  # tokens per sequence (prompt + generated)
-    "kv_generated": 192,  # long enough that every sequence is admitted (1024 prompt tokens a step) before any ends
+    # long enough that every sequence is admitted (1024 prompt tokens a step) before any ends
+    "kv_generated": 192,
     "cpu_repeats": 3,
 }
 # --quick, on the CPU through the interpreter (one program at a time: slow): lengths off block boundaries
@@ -109,17 +77,19 @@ QUICK = {
 TARGETS = {"prefill_faster_from": 256, "prefill_sdpa_from": 2048, "decode_point": (256, 1024)}
 DECODE_SPLITS = {"triton_auto": None, "triton_plain": 1, "triton_split4": 4, "triton_split16": 16}
 IMPLEMENTATIONS = {
-    "materialised": "q k^T * D^-0.5, masked_fill(~causal, -inf) with a T x T tril mask made once, softmax, @ v; "
-    "[B, H, T, D] contiguous",
-    "sdpa": "F.scaled_dot_product_attention(q, k, v, is_causal=True) on [B, H, T, D] (PyTorch's backend choice)",
-    "triton_paged": "step5_flash_gpu.kernels.paged_attention on q [B T, H, D] and a K/V pool of shuffled 16-token "
-    "blocks (tile sizes: the kernel's table)",
-    "step4_gather_sdpa": "step4_paged_continuous PagedKVCache.gather (a copy of every sequence's blocks) + the SDPA "
-    "call of step 4's model.paged_attention decode branch (additive mask of the positions past each length, made "
-    "once per step)",
+    "materialised": "q k^T * D^-0.5, masked_fill(~causal, -inf) with a T x T tril mask made once, softmax, "
+    "@ v; [B, H, T, D] contiguous",
+    "sdpa": "F.scaled_dot_product_attention(q, k, v, is_causal=True) on [B, H, T, D] (PyTorch's backend "
+    "choice)",
+    "triton_paged": "step5_flash_gpu.kernels.paged_attention on q [B T, H, D] and a K/V pool of shuffled "
+    "16-token blocks (tile sizes: the kernel's table)",
+    "step4_gather_sdpa": "step4_paged_continuous PagedKVCache.gather (a copy of every sequence's blocks) + "
+    "the SDPA call of step 4's model.paged_attention decode branch (additive mask of the positions past "
+    "each length, made once per step)",
     "triton_auto": "paged_attention, num_splits=None: choose_num_splits decides (plain or flash-decoding)",
     "triton_plain": "paged_attention, num_splits=1: one program per (sequence, head)",
-    "triton_split4": "paged_attention, num_splits=4: flash-decoding, 4 programs per (sequence, head) + the merge",
+    "triton_split4": "paged_attention, num_splits=4: flash-decoding, 4 programs per (sequence, head) + the "
+    "merge",
     "triton_split16": "paged_attention, num_splits=16",
     "indexing": "step4_paged_continuous PagedKVCache.write: k_cache.view(-1, H, D)[slots] = k, and v",
     "triton_write_kv": "step5_flash_gpu.kernels.write_kv: one kernel for K and V",
@@ -133,7 +103,8 @@ def main(
     quick: bool = False,
     out_dir: Path = harness.RESULTS,
 ) -> dict:
-    """The CLI entry (``python -m benchmarks attention``). Raises ValueError for the full sizes without CUDA."""
+    """The CLI entry (``python -m benchmarks attention``). Raises ValueError for the full sizes without
+    CUDA."""
     if not quick and torch.device(device).type != "cuda":
         raise ValueError("the attention benchmark's full sizes need a CUDA GPU; use --quick on a CPU")
     return run(
@@ -150,7 +121,8 @@ def run(
     out_dir: Path = harness.RESULTS,
     measure_memory: bool | None = None,
 ) -> dict:
-    """Every section on each model's attention shape; write ``<out_dir>/attention-<device>.json`` and ``.png``.
+    """Every section on each model's attention shape; write ``<out_dir>/attention-<device>.json`` and
+    ``.png``.
 
     sizes: ``FULL``'s keys. measure_memory: run the engine for section d (default: on CUDA only; on a CPU the
     engine runs but no memory figure is read). Returns the result written (see benchmarks/README.md).
@@ -179,13 +151,16 @@ def run(
             "seed": SEED,
             "implementations": IMPLEMENTATIONS,
             "prefill_batches": f"1 sequence, and {sizes['prefill_batch']} sequences of T tokens each",
-            "decode": "S sequences of the same context, one query each; K/V bytes = 2 x S x context x H x D x itemsize",
-            "write_kv": f"N tokens into random distinct slots of a {sizes['write_pool_blocks']}-block pool (one layer)",
+            "decode": "S sequences of the same context, one query each; K/V bytes = 2 x S x context x H x D "
+            "x itemsize",
+            "write_kv": f"N tokens into random distinct slots of a {sizes['write_pool_blocks']}-block pool "
+            "(one layer)",
             "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms) on a GPU, the median of "
             f"{sizes['cpu_repeats']} perf_counter-timed calls on a CPU; one untimed call per implementation "
             "first (its peak memory read then); rounds in rotating order; medians over rounds; ratios are "
             "medians of per-round ratios",
-            "reference": "kernels.paged_attention_reference: textbook attention in fp32, one sequence at a time",
+            "reference": "kernels.paged_attention_reference: textbook attention in fp32, one sequence at a "
+            "time",
         },
         "models": {},
     }
@@ -226,11 +201,12 @@ def bench_model(
     return out
 
 
-# ---- timing -------------------------------------------------------------------------------------------------
+# ---- timing ------------------------------------------------------------------------------------------------
 
 
 def time_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Milliseconds of one ``fn()``: ``do_bench``'s median on a GPU, the median of ``repeats`` calls on a CPU."""
+    """Milliseconds of one ``fn()``: ``do_bench``'s median on a GPU, the median of ``repeats`` calls on a
+    CPU."""
     if torch.device(device).type == "cuda":
         import triton
 
@@ -289,7 +265,7 @@ def max_abs_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref.float()).abs().max().item()
 
 
-# ---- the data ---------------------------------------------------------------------------------------------
+# ---- the data ----------------------------------------------------------------------------------------------
 
 
 def kv_pool(config, num_blocks: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> PagedKVCache:
@@ -301,7 +277,8 @@ def kv_pool(config, num_blocks: int, dtype: torch.dtype, device: str, gen: torch
 
 
 def paged_batch(config, num_seqs: int, seq_len: int, dtype, device: str, gen: torch.Generator):
-    """A pool holding num_seqs sequences of seq_len tokens in shuffled blocks, and their block tables [S, M]."""
+    """A pool holding num_seqs sequences of seq_len tokens in shuffled blocks, and their block tables
+    [S, M]."""
     m = math.ceil(seq_len / BLOCK_SIZE)
     cache = kv_pool(config, num_seqs * m, dtype, device, gen)
     block_tables = torch.randperm(num_seqs * m, generator=gen, device=device).view(
@@ -310,7 +287,7 @@ def paged_batch(config, num_seqs: int, seq_len: int, dtype, device: str, gen: to
     return cache, block_tables
 
 
-# ---- a. prefill ---------------------------------------------------------------------------------------------
+# ---- a. prefill --------------------------------------------------------------------------------------------
 
 
 def bench_prefill(config, dtype, device: str, runs: int, sizes: dict, gen) -> list[dict]:
@@ -383,7 +360,7 @@ def prefill_point(config, dtype, device: str, runs: int, sizes: dict, gen, T: in
     return {"T": T, "num_seqs": B, "tokens": B * T, "flops": flops, **point}
 
 
-# ---- b. decode ----------------------------------------------------------------------------------------------
+# ---- b. decode ---------------------------------------------------------------------------------------------
 
 
 def bench_decode(config, dtype, device: str, runs: int, sizes: dict, gen, bandwidth: float) -> list[dict]:
@@ -450,7 +427,7 @@ def decode_point(
     return {"num_seqs": S, "context": ctx, "kv_bytes": kv_bytes, "auto_num_splits": auto, **point}
 
 
-# ---- c. write_kv --------------------------------------------------------------------------------------------
+# ---- c. write_kv -------------------------------------------------------------------------------------------
 
 
 def bench_write_kv(config, dtype, device: str, runs: int, sizes: dict, gen) -> list[dict]:
@@ -464,10 +441,10 @@ def bench_write_kv(config, dtype, device: str, runs: int, sizes: dict, gen) -> l
         v = torch.randn(N, H, D, generator=gen, device=device, dtype=dtype)
         slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device=device)[:N]  # int64, as step 4
 
-        def indexing():  # step4_paged_continuous/kv_cache.py
+        def indexing(k=k, v=v, slots=slots):  # step4_paged_continuous/kv_cache.py
             cache.write(0, k, v, slots)
 
-        def triton_write_kv():
+        def triton_write_kv(k=k, v=v, slots=slots):
             write_kv(twin.k[0], twin.v[0], k, v, slots)
 
         twin.k[0].copy_(cache.k[0])
@@ -496,7 +473,7 @@ def bench_write_kv(config, dtype, device: str, runs: int, sizes: dict, gen) -> l
     return points
 
 
-# ---- d. the KV memory model -----------------------------------------------------------------------------------
+# ---- d. the KV memory model --------------------------------------------------------------------------------
 
 
 def weight_bytes(folder: Path, itemsize: int) -> tuple[int, int]:
@@ -574,13 +551,14 @@ def memory_model(folder: Path, config, sizes: dict, device: str, run_engine: boo
                     mem["peak_over_predicted"] = mem["peak_bytes"] / point["predicted_bytes"]
                     mem["built_over_predicted"] = mem["built_bytes"] / point["predicted_bytes"]
                 print(
-                    f"  memory: {budget / 2**30:.2f} GiB, {length} tokens: {point['sequences']} sequences predicted, "
+                    f"  memory: {budget / 2**30:.2f} GiB, {length} tokens: "
+                    f"{point['sequences']} sequences predicted, "
                     f"{mem['max_running']} ran at once ({mem['num_preemptions']} preemptions); one more: "
                     f"{point['engine_one_more']['max_running']} at once, "
                     f"{point['engine_one_more']['num_preemptions']} preemptions"
                     + (
-                        f"; peak {mem['peak_bytes'] / 2**20:.0f} MiB vs {point['predicted_bytes'] / 2**20:.0f} MiB "
-                        "predicted"
+                        f"; peak {mem['peak_bytes'] / 2**20:.0f} MiB vs "
+                        f"{point['predicted_bytes'] / 2**20:.0f} MiB predicted"
                         if mem["peak_bytes"] is not None
                         else ""
                     ),
@@ -655,7 +633,7 @@ def check_fit(
     return out
 
 
-# ---- targets, report, plot ------------------------------------------------------------------------------------
+# ---- targets, report, plot ---------------------------------------------------------------------------------
 
 
 def memory_exponent(points: list[dict], impl: str) -> float | None:

@@ -1,27 +1,14 @@
 """Step 4's benchmark: continuous batching and a paged KV cache against step 3's static batches.
 
-Greedy, ``ignore_eos`` (every request generates exactly its max_tokens), fp32, the shared workloads of
-``benchmarks/workloads`` (prompt ids drawn from their seeds). Engines: ``step3`` (step3_static_batch:
-static batches of up to B requests in arrival order, each running until its longest member finishes),
-``step4`` (step4_paged_continuous.LLMEngine with max_num_seqs = B: requests join and leave the batch at
-every step, KV cache in blocks of 16 tokens), ``hf`` (transformers generate, one request after another).
+Greedy, ``ignore_eos``, fp32, the shared workloads of ``benchmarks/workloads``. Engines: ``step3`` (static
+batches of up to B requests in arrival order), ``step4`` (``LLMEngine`` with max_num_seqs = B, blocks of 16
+tokens), ``hf`` (transformers generate, one request after another). a. ``mixed`` and ``staggered`` at the
+same maximum batch size, 8: throughput, latency, TTFT, computed over requested positions; b. KV memory on
+``mixed``: step 4's blocks in use against step 3's reservation, the waste per sequence, and what step 4
+runs in step 3's budget; c./d. throughput against the concurrency (1 to 16), HF one by one at 16.
+Workloads, figures, targets and the JSON layout: benchmarks/README.md.
 
-a. ``mixed`` (64 requests at time 0) and ``staggered`` (the same requests arriving as a Poisson
-   process) at the same maximum batch size, 8: throughput, mean and p95 latency and p50/p95 time to
-   first token (from each request's own arrival), and computed token positions over requested ones.
-   With arrivals, step 3 runs a batch of whatever has arrived (up to 8) whenever the previous batch
-   ends; step 4 takes each request between two steps once it has arrived.
-b. KV memory on ``mixed``: step 4's peak blocks in use x bytes per block (and the tokens really stored)
-   against step 3's reservation (its largest batch's ``KVCache``: every row holds the longest prompt plus
-   the largest generation budget), and the waste per sequence (slots held - tokens stored), in blocks of
-   16 tokens. Then a fixed budget, the bytes step 3 reserves to run ``mixed`` in batches of 8: how many
-   sequences step 4 runs at once in that much memory (``kv_cache_memory`` = the budget, max_num_seqs 64).
-c./d. Throughput against the concurrency: the first 16 ``mixed`` requests at time 0, step 4 with
-   max_num_seqs = 1, 2, 4, 8, 16 and step 3 with the same batch size; HF generate one request after
-   another (a flat line) at the last point, the outside baseline for 16 concurrent requests. The schedule
-   picture (requests as bars over time, static vs continuous) is the first run at concurrency 8.
-
-    python -m benchmarks continuous                         # gpt2-124m-random, 3 runs (~12 min on 2 cores)
+    python -m benchmarks continuous                         # gpt2-124m-random, 3 runs (19 min on 2 cores)
     python -m benchmarks continuous --model demo --quick    # 1 run, fewer and shorter requests
 """
 
@@ -53,10 +40,11 @@ QUICK = {
 }
 CONFIG_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "head_dim")
 ENGINES = {
-    "step3": "step3_static_batch.LLM.generate, one call per static batch of up to B requests that have arrived, "
-    "in arrival order; a batch runs until its longest member finishes",
-    "step4": "step4_paged_continuous.LLMEngine(max_num_seqs=B, block_size=16, num_kv_blocks = B x the blocks of "
-    "the workload's longest request: no preemption), add_request as arrival times pass, step() while busy",
+    "step3": "step3_static_batch.LLM.generate, one call per static batch of up to B requests that have "
+    "arrived, in arrival order; a batch runs until its longest member finishes",
+    "step4": "step4_paged_continuous.LLMEngine(max_num_seqs=B, block_size=16, num_kv_blocks = B x the "
+    "blocks of the workload's longest request: no preemption), add_request as arrival times pass, step() "
+    "while busy",
     "hf": "transformers GPT2LMHeadModel.generate(do_sample=False, use_cache=True, max_new_tokens = "
     "min_new_tokens = the request's max_tokens), one request after another; torch.inference_mode",
 }
@@ -116,8 +104,8 @@ def run(
         "workload": {
             "sampling": "greedy (temperature 0), ignore_eos: every request generates exactly max_tokens",
             "runs": runs,
-            "warmup": f"before each point, every engine once on its first requests (up to the batch size) with at "
-            f"most {WARMUP_TOKENS} new tokens, all at time 0, untimed",
+            "warmup": f"before each point, every engine once on its first requests (up to the batch size) "
+            f"with at most {WARMUP_TOKENS} new tokens, all at time 0, untimed",
             "quick": quick,
             "max_batch": max_batch,
             "block_size": block_size,
@@ -128,12 +116,13 @@ def run(
                 "summary": workloads.summary(sweep_workload),
                 "workload": sweep_workload,
             },
-            "kv_budget": f"the largest KVCache step3 allocates on mixed at batch {max_batch} (its peak reservation); "
-            f"step4 with kv_cache_memory = that, max_num_seqs = {budget_max_num_seqs}, mixed at time 0, one run",
+            "kv_budget": f"the largest KVCache step3 allocates on mixed at batch {max_batch} (its peak "
+            f"reservation); step4 with kv_cache_memory = that, max_num_seqs = {budget_max_num_seqs}, mixed "
+            "at time 0, one run",
             "engines": ENGINES,
-            "timing": "time.perf_counter from the start of the workload (time 0 of the arrivals) to the last token; "
-            "latency and TTFT from each request's own arrival; engines alternated within each run (order rotated "
-            "per run); medians over runs; ratios are medians of per-run ratios",
+            "timing": "time.perf_counter from the start of the workload (time 0 of the arrivals) to the last "
+            "token; latency and TTFT from each request's own arrival; engines alternated within each run "
+            "(order rotated per run); medians over runs; ratios are medians of per-run ratios",
         },
         "models": {},
     }
@@ -271,7 +260,8 @@ def bench_model(
     for b in concurrency:
         with_hf = b == concurrency[-1]
         print(
-            f"  concurrency {b}: first {len(sweep_reqs)} mixed requests{' (+ HF sequential)' if with_hf else ''}",
+            f"  concurrency {b}: first {len(sweep_reqs)} mixed requests"
+            f"{' (+ HF sequential)' if with_hf else ''}",
             flush=True,
         )
         point_ratios = {
@@ -419,8 +409,9 @@ def report(result: dict) -> str:
         s = w["mixed"]["summary"]
         st = w["staggered"]["summary"]
         lines.append(
-            f"\na. max batch {model['mixed']['max_batch']}: mixed = {s['requests']} requests at time 0, prompts "
-            f"{s['prompt_tokens_range']}, max_tokens {s['max_tokens_range']}; staggered = {st['requests']} "
+            f"\na. max batch {model['mixed']['max_batch']}: mixed = {s['requests']} requests at time 0, "
+            f"prompts {s['prompt_tokens_range']}, max_tokens {s['max_tokens_range']}; "
+            f"staggered = {st['requests']} "
             f"of them arriving over {st['last_arrival_s']:.1f} s (latency and TTFT from arrival)"
         )
         lines.append(harness.table(headers, rows))
@@ -453,10 +444,12 @@ def report(result: dict) -> str:
         )
         b = kv["budget"]
         lines.append(
-            f"in step3's budget of {b['bytes'] / mib:.3g} MiB: step3 runs {b['step3_max_sequences']} sequences, "
+            f"in step3's budget of {b['bytes'] / mib:.3g} MiB: "
+            f"step3 runs {b['step3_max_sequences']} sequences, "
             f"step4 up to {b['step4_max_running']} (mean {b['step4_mean_running']:.1f}, "
             f"{b['step4_preemptions']} preemptions, computed/requested "
-            f"{b['step4_run']['computed_over_requested']:.2f}, {b['step4_run']['throughput_tok_s']:.0f} tok/s)"
+            f"{b['step4_run']['computed_over_requested']:.2f}, "
+            f"{b['step4_run']['throughput_tok_s']:.0f} tok/s)"
         )
         rows = []
         for p in model["concurrency"]:

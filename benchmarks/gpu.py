@@ -1,44 +1,16 @@
 """Steps 2 to 5 on a GPU against Hugging Face's generate: what each stage buys where serving happens.
 
-End to end through each engine's ``LLM.generate`` (token ids in, token ids out, the engine's own Python
-included), on GPT-2 124M's shape with random weights (``gpt2-124m-random``), greedy, ``ignore_eos`` (every
-request generates exactly its max_tokens), B requests of one length submitted at once, prompts of random
-token ids from fixed seeds, for B = 1, 8, 64, 256 and two workloads, ``short`` (a 32-token prompt, 128
-generated) and ``long`` (512 + 256), in fp16 (the serving dtype), fp32 and bf16 (``MATRIX``: every engine,
-both workloads, each dtype). A whole run takes about 18 minutes on an H200; ``--dtype`` (``main``'s
-``dtypes``) runs one dtype's points and merges them into the recorded JSON (``merge_into``), so that a
-machine that allows 10-minute commands runs the matrix in three. Engines:
-
-- ``hf``: transformers ``GPT2LMHeadModel.generate`` on the B requests as one batch (left padding, an
-  attention mask, ``use_cache=True``, ``max_new_tokens = min_new_tokens``, ``torch.inference_mode``);
-- ``step2``: ``step2_kvcache.LLM``, one request at a time: at B = 1 only;
-- ``step3``: ``step3_static_batch.LLM(max_batch_size=B)``: one static batch of B;
-- ``step4``: ``step4_paged_continuous.LLM(max_num_seqs=B, block_size=16, num_kv_blocks = B x the blocks of
-  the longest request of both workloads)``: every request runs at once and nothing is preempted;
-- ``step5``: ``step5_flash_gpu.LLM`` with step 4's arguments, where that package exists (else skipped,
-  and the JSON says so).
-
-Each point starts with a whole untimed run of every engine, not a short one: in fp16 and bf16, PyTorch
-2.11's default attention backend on an H200 (cuDNN's, through ``F.scaled_dot_product_attention``) builds a
-plan for every new shape, and a decode step brings a new KV length: a first run of 128 tokens took 48 to
-53 ms per token where later runs took 4 to 9 (step 2 and HF at B = 1; with ``enable_cudnn_sdp(False)`` the
-first run is as fast as the others). ``machine.sdpa_backends_enabled`` records the backends.
-
-Figures per run: the call's wall time (the device synchronised before and after), generated tokens,
-throughput (all generated tokens / wall) and ms per token (wall / the tokens of one request: at B = 1
-the time per token one user sees). Beside them, the memory floor: a decode step reads every weight once
-and the KV cache of every running request, so B tokens cost at least (weight bytes + B x KV bytes at the
-mean context) / the copy bandwidth measured at the start (``harness.copy_bandwidth``); the JSON gives
-each engine's throughput as a share of that floor (compute, prefill and launch overheads are not in it).
-
-Then profiles: cProfile over 64 ``step()`` calls of step 4's and of step 5's engine at B = 256 (short
-workload, fp16, counted from the requests' submission: the prefills, then decodes), the 25 functions with
-the most own time and the 25 with the most cumulative time of each (where the Python goes). Last, the dtype
-study (``DTYPE_STUDY``, ``run_dtype_study``): greedy agreement of step 5 in fp16 and bf16 with fp32 on the
-trained demo checkpoint.
+End to end through each engine's ``LLM.generate`` (the engine's own Python included), on GPT-2 124M's
+shape with random weights, greedy, ``ignore_eos``, B = 1, 8, 64, 256 requests of one length submitted at
+once, workloads ``short`` (32 + 128 tokens) and ``long`` (512 + 256), in fp16, fp32 and bf16 (``MATRIX``).
+Engines: ``hf`` (batched generate), ``step2`` (B = 1), ``step3``, ``step4``, ``step5`` (``ENGINES``). Each
+point: a whole untimed run of every engine, then alternated runs; throughput and ms per token beside the
+memory floor (weights and KV bytes per step over the measured copy bandwidth). Then cProfile of step 4's
+and step 5's engines at B = 256, and the dtype study (``DTYPE_STUDY``). ``--dtype`` runs one dtype and
+merges it into the recorded JSON (``merge_into``). Details and the JSON layout: benchmarks/README.md.
 
     python -m benchmarks gpu --device cuda --runs 2   # one H200: ~18 minutes (--dtype float16 alone: ~8)
-    python -m benchmarks gpu --quick          # on the CPU, tiny sizes, fp32, B = 1 and 4: checks that it works
+    python -m benchmarks gpu --quick                  # CPU, tiny sizes, fp32, B = 1 and 4: checks it works
 """
 
 from __future__ import annotations
@@ -90,7 +62,7 @@ PROFILE = {
     "steps": 64,
     "top": 25,
 }
-# The dtype study (issue 11, 5c): greedy agreement of a low-precision engine with its fp32 self, on the trained demo
+# The dtype study: greedy agreement of a low-precision engine with its fp32 self, on the trained demo
 # checkpoint (random weights have near-ties everywhere); speed per dtype is in the matrix's points.
 DTYPE_STUDY = {
     "engine": "step5",
@@ -120,12 +92,14 @@ QUICK = {
 }
 CONFIG_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "head_dim")
 ENGINES = {
-    "hf": "transformers GPT2LMHeadModel.generate(do_sample=False, use_cache=True, max_new_tokens = min_new_tokens "
-    "= max_tokens) on the B requests as one batch, left padding + attention_mask; torch.inference_mode",
+    "hf": "transformers GPT2LMHeadModel.generate(do_sample=False, use_cache=True, max_new_tokens = "
+    "min_new_tokens = max_tokens) on the B requests as one batch, left padding + attention_mask; "
+    "torch.inference_mode",
     "step2": "step2_kvcache.LLM.generate: one request at a time (B = 1 only)",
     "step3": "step3_static_batch.LLM(max_batch_size=B).generate: one static batch",
-    "step4": f"step4_paged_continuous.LLM(max_num_seqs=B, block_size={BLOCK_SIZE}, num_kv_blocks = B x the blocks of "
-    "the longest request of all workloads; max_num_batched_tokens: the engine's default).generate: no preemption",
+    "step4": f"step4_paged_continuous.LLM(max_num_seqs=B, block_size={BLOCK_SIZE}, num_kv_blocks = B x the "
+    "blocks of the longest request of all workloads; max_num_batched_tokens: the engine's default)"
+    ".generate: no preemption",
     "step5": "step5_flash_gpu.LLM with step4's arguments (attention_backend: its default).generate",
 }
 
@@ -194,12 +168,13 @@ def run(
     """Every workload, dtype and batch size on each model; write ``<out_dir>/gpu-<device>.json`` and ``.png``.
 
     models: benchmark model names or snapshot folders. runs: measured runs per point, after a warm-up.
-    batch_sizes: the B of each point (step 2 runs at B = 1 only). lengths: workload name -> {"prompt_tokens",
-    "max_tokens"} of every request. matrix: dtype -> workload name -> the engines that run it (step5 only
-    where its package exists). profile: the cProfile runs ({"engines", "dtype", "batch_size", "workload", "steps",
-    "top"}; None: no profile); they run where their dtype and batch size come up. dtype_study: see
-    ``dtype_study`` (None: none). merge: keep what the recorded JSON holds beyond this run (see ``merge_into``)
-    instead of replacing it. Returns the result dict that was written (see benchmarks/README.md for its layout).
+    batch_sizes: the B of each point (step 2 runs at B = 1 only). lengths: workload name ->
+    {"prompt_tokens", "max_tokens"} of every request. matrix: dtype -> workload name -> the engines that run
+    it (step5 only where its package exists). profile: the cProfile runs ({"engines", "dtype", "batch_size",
+    "workload", "steps", "top"}; None: no profile); they run where their dtype and batch size come up.
+    dtype_study: see ``dtype_study`` (None: none). merge: keep what the recorded JSON holds beyond this run
+    (see ``merge_into``) instead of replacing it. Returns the result dict that was written (see
+    benchmarks/README.md for its layout).
     """
     started = time.perf_counter()
     result = {
@@ -229,17 +204,18 @@ def run(
             },
             "step2_max_batch": STEP2_MAX_BATCH,
             "runs": runs,
-            "warmup": "before each point, every engine once on the same requests, untimed: every shape of the point "
-            "seen once (cuDNN's attention plans a new shape on its first call)",
+            "warmup": "before each point, every engine once on the same requests, untimed: every shape of "
+            "the point seen once (cuDNN's attention plans a new shape on its first call)",
             "quick": quick,
             "engines": ENGINES,
             "profile": profile,
             "dtype_study": dtype_study,
-            "memory_floor": "a decode step of B requests reads every weight once and each request's KV cache at the "
-            "mean context (prompt + max_tokens / 2): B / ((weight bytes + B x KV bytes) / copy bandwidth) tok/s",
-            "timing": "time.perf_counter around the whole generate call, torch.cuda.synchronize before and after; "
-            "engines alternated within each run (order rotated per run); medians over runs; ratios are medians "
-            "of per-run ratios",
+            "memory_floor": "a decode step of B requests reads every weight once and each request's KV cache "
+            "at the mean context (prompt + max_tokens / 2): B / ((weight bytes + B x KV bytes) / copy "
+            "bandwidth) tok/s",
+            "timing": "time.perf_counter around the whole generate call, torch.cuda.synchronize before and "
+            "after; engines alternated within each run (order rotated per run); medians over runs; ratios "
+            "are medians of per-run ratios",
         },
         "models": {},
     }
@@ -451,7 +427,8 @@ def figures(wall_s: float, generated: list[int]) -> dict:
 
 
 def hf_figures(run: dict) -> dict:
-    """``figures`` of a ``serving.run_hf`` run (generate returns exactly max_tokens per row: min_new_tokens)."""
+    """``figures`` of a ``serving.run_hf`` run (generate returns exactly max_tokens per row:
+    min_new_tokens)."""
     return figures(run["wall_s"], [r["generated_tokens"] for r in run["requests"]])
 
 
@@ -546,8 +523,8 @@ DTYPE_STUDY_PROMPTS = [
 
 def run_dtype_study(spec: dict, device: str) -> dict:
     """Greedy agreement per dtype: ``spec["engine"]`` on ``spec["model"]`` (a trained checkpoint) generates
-    ``max_tokens`` greedy tokens (ignore_eos) after each of ``prompts`` prompts (``DTYPE_STUDY_PROMPTS``, cut or
-    padded with the demo tokenizer's ids to ``prompt_tokens``), in the reference dtype and in each of
+    ``max_tokens`` greedy tokens (ignore_eos) after each of ``prompts`` prompts (``DTYPE_STUDY_PROMPTS``,
+    cut or padded with the demo tokenizer's ids to ``prompt_tokens``), in the reference dtype and in each of
     ``dtypes``. Per dtype: how many outputs are identical to the reference's, the first position where each
     other one differs, and whether GUIDE.md's tier holds there: each side's token is among the other side's
     ``top`` most likely, by step 0's model (fp32, and cast to the dtype) on the reference's prefix."""
@@ -704,7 +681,8 @@ def report(result: dict) -> str:
     if study:
         s = w["dtype_study"]
         lines.append(
-            f"\ndtype study: {s['engine']} on {s['model']}, {s['prompts']} prompts x {s['max_tokens']} greedy "
+            f"\ndtype study: {s['engine']} on {s['model']}, {s['prompts']} prompts x "
+            f"{s['max_tokens']} greedy "
             f"tokens against {s['reference']}"
         )
         lines.append(
@@ -798,7 +776,8 @@ def plot(result: dict, path: Path) -> Path:
         else ("; each dtype's panels from one run: compare engines within a panel, not across dtypes")
     )
     fig.suptitle(
-        f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), torch {machine['torch']}, "
+        f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), "
+        f"torch {machine['torch']}, "
         f"median of {result['workload']['runs']} run(s){runs}"
     )
     fig.tight_layout()

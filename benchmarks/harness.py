@@ -206,7 +206,8 @@ def result_path(name: str, device: str, suffix: str, out_dir: Path = RESULTS) ->
 
 
 def run_models(result: dict, models: Sequence[str], bench_model: Callable[[str], dict]) -> None:
-    """Run ``bench_model(name)`` for every model, filing each result (and its duration) under result["models"]."""
+    """Run ``bench_model(name)`` for every model, filing each result (and its duration) under
+    result["models"]."""
     for name in models:
         print(f"== {name}", flush=True)
         model_started = time.perf_counter()

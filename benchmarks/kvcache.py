@@ -1,19 +1,11 @@
 """Step 2's benchmark: what the KV cache buys, against step 1 (no cache) and Hugging Face's generate.
 
-Three workloads, batch 1, greedy, ``ignore_eos`` (so every request generates exactly what it asks for),
-prompts of random token ids from a fixed seed:
-
-a. generation: ms per generated token (request wall time / generated tokens) against the number of
-   generated tokens after a 16-token prompt, for step1, step2 and HF ``GPT2LMHeadModel.generate``
-   (KV cache on), plus step2's median decode latency (the gap between consecutive tokens). Without a
-   cache every new token re-reads the whole sequence, so step1's ms/token grows with the length; with
-   one, a decode step is one token's work plus attention over the cache, nearly flat on these lengths.
-b. TTFT: time to first token against the prompt length, step2 and HF (generate with one new token):
-   the prefill, one forward pass over the whole prompt that fills the cache. (Step 1's first token is
-   the same forward pass without the cache writes, so it is left out.)
-c. KV cache memory: 2 (K and V) x n_layer x n_head x head_dim x bytes per element per token, by the
-   formula and as allocated by ``step2_kvcache.KVCache`` (Pope et al. 2022, "Efficiently Scaling
-   Transformer Inference", section 2).
+Batch 1, greedy, ``ignore_eos``, prompts of random token ids from a fixed seed: a. ms per generated token
+against the tokens generated after a 16-token prompt (step1, step2, HF ``generate`` with its cache), and
+step2's median decode latency, which stays flat; b. time to first token against the prompt length (step2,
+HF); c. KV cache bytes per token, by the formula (Pope et al. 2022, "Efficiently Scaling Transformer
+Inference", section 2) and as ``step2_kvcache.KVCache`` allocates them. Details and the JSON layout:
+benchmarks/README.md.
 
     python -m benchmarks kvcache                         # both models, 5 runs
     python -m benchmarks kvcache --model demo --quick    # one model, 1 run, shorter lengths
@@ -84,7 +76,8 @@ def run(
         "workload": {
             "batch_size": 1,
             "sampling": "greedy (temperature 0), ignore_eos",
-            "prompts": f"random token ids in [0, vocab_size - 1), torch.Generator seeded {SEED} + prompt length",
+            "prompts": f"random token ids in [0, vocab_size - 1), torch.Generator seeded {SEED} + prompt "
+            "length",
             "generation_prompt_tokens": PROMPT_TOKENS,
             "generated_tokens": gen_lengths,
             "ttft_prompt_tokens": ttft_prompts,
@@ -241,7 +234,8 @@ def summarise(point: dict, raw: dict[str, list[dict]], key: str) -> dict:
 
 
 def random_prompt(length: int, vocab_size: int) -> list[int]:
-    """``length`` token ids, uniform in [0, vocab_size - 1) (never the end-of-text id), seeded by the length."""
+    """``length`` token ids, uniform in [0, vocab_size - 1) (never the end-of-text id), seeded by the
+    length."""
     generator = torch.Generator().manual_seed(SEED + length)
     return torch.randint(0, vocab_size - 1, (length,), generator=generator).tolist()
 
@@ -280,14 +274,15 @@ def targets(model: dict) -> list[dict]:
     )
     return [
         {
-            "label": f"step2 decode latency at {last['generated_tokens']} / at {first['generated_tokens']} generated "
-            "tokens",
+            "label": f"step2 decode latency at {last['generated_tokens']} / at "
+            f"{first['generated_tokens']} generated tokens",
             "value": decode[1] / decode[0] if all(decode) else None,
             "target": "<= 1.3",
             "full_size": longest and first["generated_tokens"] == min(GEN_LENGTHS),
         },
         {
-            "label": f"step1 / step2 ms per token at {s1['generated_tokens'] if s1 else '-'} generated tokens",
+            "label": f"step1 / step2 ms per token at {s1['generated_tokens'] if s1 else '-'} generated "
+            "tokens",
             "value": s1["ratios"]["step1/step2"]["median"] if s1 else None,
             "target": ">= 4",
             "full_size": s1 is not None and s1["generated_tokens"] >= STEP1_TARGET_TOKENS,

@@ -27,7 +27,8 @@ GPT2_VOCAB_SIZE = 50257  # 256 bytes + 50000 merges + <|endoftext|>
 
 MODELS = {
     "demo": "the bundled demo checkpoint (demo/checkpoint), trained",
-    "gpt2-124m-random": "GPT-2 124M's configuration with random weights (seed 0), written to benchmarks/.cache/",
+    "gpt2-124m-random": "GPT-2 124M's configuration with random weights (seed 0), written to "
+    "benchmarks/.cache/",
 }
 
 

@@ -1,34 +1,12 @@
 """Step 6's benchmark: what the HTTP server costs on top of the engine it serves.
 
-The same requests go to the same engine two ways, alternated within each run:
-
-- ``in_process``: ``step6_server.LLMEngine`` driven directly in this process (``add_request`` between
-  ``step()`` calls as the requests arrive, the step loop in a thread of its own, as the server's), as an
-  application embedding the engine would;
-- ``http``: ``python -m step6_server`` in a subprocess (the same model and engine settings), loaded by an
-  asynchronous HTTP client in this process (``httpx.AsyncClient``), one streaming ``POST /v1/completions``
-  per request with the prompt as token ids, ``temperature 0``, ``ignore_eos``, ``max_tokens`` = the
-  request's, ``stream_options.include_usage``. Each SSE event's arrival is a token time (an event can carry
-  two tokens when the first ended inside a UTF-8 character; the token count is the usage's).
-
-Both generate greedily from the same engine, so each request's text must come out the same both ways: the
-JSON counts the requests whose HTTP text equals the in-process text, per run.
-
-Requests: the shared ``mixed`` workload (``benchmarks/workloads``: prompt token ids from its seeds, its
-lengths). Two kinds of load:
-
-a. a fixed concurrency of 16 streams (a closed loop: 16 requests in flight, the next one sent when one
-   finishes) over the first ``CONCURRENCY_REQUESTS`` mixed requests: throughput (generated tokens / s of
-   the whole run); target: HTTP >= 90% of in-process;
-b. Poisson arrivals (exponential gaps, ``random.Random(ARRIVAL_SEED)``) at fractions ``LOADS`` of the
-   in-process capacity measured in a. (requests / s), so that the points mean the same on any device:
-   throughput, TTFT and ITL p50 / p95 / p99 from each request's own arrival time.
-
-"Outside the engine" is what the HTTP path adds: per run, ``1 - in_process wall / http wall`` (the share
-of the HTTP run's time not explained by the engine's work: JSON, SSE, sockets, the inbox and asyncio
-queues, the client), and the TTFT difference. Both sides share the machine's cores with the client, as any
-load test on one host does; on 2 cores that matters, as does any other process: the JSON records the load
-average at the start and the end (``machine.load_average_start`` / ``_end``).
+The same requests (the shared ``mixed`` workload) go to the same engine two ways, alternated within each
+run: ``in_process`` (``step6_server.LLMEngine`` driven in this process, its step loop in a thread of its
+own) and ``http`` (``python -m step6_server`` in a subprocess, one streaming ``POST /v1/completions`` per
+request from ``httpx.AsyncClient``). Greedy, so each request's text must come out the same both ways.
+a. 16 concurrent streams: throughput (target: HTTP >= 90% of in-process); b. Poisson arrivals at
+fractions of the in-process capacity: throughput, TTFT, ITL. "Outside the engine" = 1 - in-process wall /
+HTTP wall, run by run. Details and the JSON layout: benchmarks/README.md.
 
     python -m benchmarks server                          # demo, 3 runs (5.4 min measured on 2 busy cores)
     python -m benchmarks server --quick                  # 1 run, fewer and shorter requests (~25 s)
@@ -68,12 +46,12 @@ QUICK = {"requests": 16, "arrival_requests": 12, "max_prompt_tokens": 64, "max_t
 TARGET = ">= 0.9"
 REPO = Path(__file__).resolve().parent.parent
 ENGINES = {
-    "in_process": f"step6_server.LLMEngine(max_num_seqs={MAX_NUM_SEQS}, block_size={BLOCK_SIZE}, float32; other "
-    "arguments: their defaults), add_request as requests arrive, step() while busy, in a thread of its own; "
-    "outputs as DELTA",
-    "http": f"python -m step6_server --max-num-seqs {MAX_NUM_SEQS} --block-size {BLOCK_SIZE} (the same engine) in a "
-    "subprocess; httpx.AsyncClient in this process, one streaming POST /v1/completions per request (prompt as "
-    "token ids, temperature 0, ignore_eos, stream_options.include_usage)",
+    "in_process": f"step6_server.LLMEngine(max_num_seqs={MAX_NUM_SEQS}, block_size={BLOCK_SIZE}, float32; "
+    "other arguments: their defaults), add_request as requests arrive, step() while busy, in a thread of "
+    "its own; outputs as DELTA",
+    "http": f"python -m step6_server --max-num-seqs {MAX_NUM_SEQS} --block-size {BLOCK_SIZE} (the same "
+    "engine) in a subprocess; httpx.AsyncClient in this process, one streaming POST /v1/completions per "
+    "request (prompt as token ids, temperature 0, ignore_eos, stream_options.include_usage)",
 }
 
 
@@ -150,14 +128,14 @@ def run(
                 "request at 0 s, then gaps random.Random(seed).expovariate(rate)",
             },
             "engines": ENGINES,
-            "warmup": f"before each point, each engine once on the point's first {streams} requests with at most "
-            f"{WARMUP_TOKENS} new tokens, all at once, untimed",
-            "timing": "time.perf_counter in this process, from the start of the load; TTFT and latency from each "
-            "request's own arrival (at the fixed concurrency: when it was sent); ITL = gaps between a request's "
-            "outputs (in-process: engine outputs; HTTP: SSE events); engines alternated within each run (order "
-            "rotated per run); medians over runs; ratios are medians of per-run ratios",
-            "outside_engine": "1 - in_process wall / http wall, run by run: the share of the HTTP run's time that "
-            "the engine's own work on the same requests does not explain",
+            "warmup": f"before each point, each engine once on the point's first {streams} requests with at "
+            f"most {WARMUP_TOKENS} new tokens, all at once, untimed",
+            "timing": "time.perf_counter in this process, from the start of the load; TTFT and latency from "
+            "each request's own arrival (at the fixed concurrency: when it was sent); ITL = gaps between a "
+            "request's outputs (in-process: engine outputs; HTTP: SSE events); engines alternated within "
+            "each run (order rotated per run); medians over runs; ratios are medians of per-run ratios",
+            "outside_engine": "1 - in_process wall / http wall, run by run: the share of the HTTP run's time "
+            "that the engine's own work on the same requests does not explain",
         },
         "models": {},
     }
@@ -242,8 +220,8 @@ def bench_model(
             rate = load * capacity
             arrivals = poisson(len(arr_reqs), rate, ARRIVAL_SEED)
             print(
-                f"  Poisson arrivals at {rate:.2f} requests/s ({load:.0%} of capacity): {len(arr_reqs)} requests "
-                f"over {arrivals[-1]:.1f} s",
+                f"  Poisson arrivals at {rate:.2f} requests/s ({load:.0%} of capacity): "
+                f"{len(arr_reqs)} requests over {arrivals[-1]:.1f} s",
                 flush=True,
             )
             p = measure(arr_reqs, arrivals=arrivals)
@@ -296,7 +274,7 @@ def poisson(n: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-# ---- the two drivers: each returns {"wall_s", "steps", "requests": [records]} ----------------------------------
+# ---- the two drivers: each returns {"wall_s", "steps", "requests": [records]} ------------------------------
 
 
 def _record(
@@ -443,7 +421,8 @@ def summarise(run: dict) -> dict:
 
 
 class ServerProcess:
-    """``python -m step6_server`` on a free loopback port for the duration of a ``with`` block; yields its URL.
+    """``python -m step6_server`` on a free loopback port for the duration of a ``with`` block; yields its
+    URL.
 
     Raises ConnectionError if the server does not start (its stderr in the message)."""
 
@@ -500,7 +479,7 @@ class ServerProcess:
         self.stderr.close()
 
 
-# ---- report and plot -----------------------------------------------------------------------------------------
+# ---- report and plot ---------------------------------------------------------------------------------------
 
 
 def targets(model: dict, workload: dict) -> list[dict]:
@@ -533,10 +512,14 @@ def report(result: dict) -> str:
     """The table printed at the end: per point and engine, throughput, TTFT and ITL percentiles, the share of
     time outside the engine, and whether the texts matched; then the target."""
     m, w = result["machine"], result["workload"]
-    load = f"load average {m['load_average_start'][0]:.2f} at the start, {m['load_average_end'][0]:.2f} at the end"
+    load = (
+        f"load average {m['load_average_start'][0]:.2f} at the start, "
+        f"{m['load_average_end'][0]:.2f} at the end"
+    )
     where = f"{m['gpu']}, " if m.get("gpu") else ""
     lines = [
-        f"server on {m['device']} ({where}{m['cpu']}, {m['torch_threads']} torch threads), torch {m['torch']}, "
+        f"server on {m['device']} ({where}{m['cpu']}, {m['torch_threads']} torch threads), "
+        f"torch {m['torch']}, "
         f"{w['runs']} run(s), medians; {load}"
     ]
     headers = [

@@ -1,31 +1,13 @@
 """Serving a workload: drive each engine through a list of requests and measure what a client sees.
 
-The batching benchmarks (``static_batch``, ``continuous``) share these drivers. Each one takes a list of
-``workloads.Request`` (prompt token ids, tokens to generate, arrival time in seconds after the start),
-generates exactly ``max_tokens`` per request (greedy, ``ignore_eos``), and returns one record per request,
-times in seconds since the start of the run (``time.perf_counter``):
-
-    index, prompt_tokens, generated_tokens, arrival_s, started_s (its batch or first step began),
-    first_token_s (None where the engine does not say: HF generate), finished_s,
-    padding_tokens, wasted_tokens (positions computed for the request that serve nothing; None for step 3,
-    whose engine counts them per batch: its batches carry them)
-
-``summarise`` turns the records into the figures of one run: throughput (generated tokens per second of
-the whole run), mean and p95 latency and p50/p95 time to first token, both counted from each request's
-own arrival, and the ratio of computed token positions to requested ones:
-
-    requested = prompt + generated,   computed = prompt + generated + padding + wasted (+ recomputed)
-
-(padding and wasted summed over the requests, or over step 3's batches.)
-
-For step 2 and step 4 (no padding, no finished rows) the ratio is 1; step 4 adds the positions it
-prefilled again after a preemption. For an HF batch every row computes the longest prompt plus the
-batch's largest max_tokens.
-
-Arrivals: requests whose arrival time has not come are not shown to the engine. Step 3 forms a static
-batch of whatever has arrived (up to its batch size) each time the previous batch ends, waiting for the
-next arrival if nothing has; step 4 gets each request through ``add_request`` between two ``step()``
-calls once its arrival time has passed, and the driver sleeps until the next arrival when it is idle.
+The drivers of ``static_batch`` and ``continuous`` (``run_step2``, ``run_step3``, ``run_step4``,
+``run_hf``). Each takes a list of ``workloads.Request``, generates exactly ``max_tokens`` per request
+(greedy, ``ignore_eos``), shows a request to the engine only once its arrival time has passed, and returns
+one record per request (arrival, start, first token, last token: seconds since the start of the run, by
+``time.perf_counter``; its padding and wasted positions). ``summarise`` turns the records into one run's
+figures: throughput, latency and TTFT from each request's own arrival, and computed over requested
+positions (prompt + generated + padding + wasted + recomputed, over prompt + generated).
+Details: benchmarks/README.md ("Serving a workload").
 """
 
 from __future__ import annotations

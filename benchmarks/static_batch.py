@@ -1,23 +1,13 @@
 """Step 3's benchmark: what static batching buys over one request at a time, and what it wastes.
 
-Greedy, ``ignore_eos`` (every request generates exactly its max_tokens), fp32, prompts of random token
-ids from fixed seeds. Engines: ``step2`` (step2_kvcache, batch 1: requests one after another), ``step3``
-(step3_static_batch: static batches in arrival order, each running until its longest member finishes),
-``hf`` (transformers ``GPT2LMHeadModel.generate`` on the same static batches: left padding, an attention
-mask, every row generating the batch's largest max_tokens).
+Greedy, ``ignore_eos``, fp32, prompts of random token ids from fixed seeds. Engines: ``step2`` (one
+request after another), ``step3`` (static batches in arrival order, each running until its longest member
+finishes), ``hf`` (transformers generate on the same static batches). a. B equal requests (32 + 64
+tokens) at once, B = 1 to 32: throughput; b. the ``mixed`` workload at batch size 8: throughput, latency,
+and computed over requested positions (padding and finished rows: the price of static batching). Details
+and the JSON layout: benchmarks/README.md.
 
-a. Equal-length requests (a 32-token prompt, 64 new tokens), B requests at once for B = 1, 2, 4, 8, 16,
-   32: throughput (generated tokens per second) of step2 serving them one by one, step3 as one batch of
-   B, and HF generate on a batch of B. A decode step reads every weight once for the whole batch, so
-   step3's throughput grows with B while step2's stays flat. Step 2 serves only the first
-   ``STEP2_MAX_REQUESTS`` of the B requests: it takes them one after another, so its throughput does not
-   depend on how many there are, and the full count would cost minutes at B = 32.
-b. The ``mixed`` workload (benchmarks/workloads/mixed.json: 64 requests of widely spread lengths, all
-   submitted at time 0) at batch size 8: throughput, mean and p95 latency (submit -> the request's last
-   token), and computed token positions over requested ones (prompt + generated + padding + rows still
-   computing after their request finished, over prompt + generated): the price of static batching.
-
-    python -m benchmarks static_batch                         # gpt2-124m-random, 3 runs (~10 min on 2 cores)
+    python -m benchmarks static_batch                         # gpt2-124m-random, 3 runs (14 min on 2 cores)
     python -m benchmarks static_batch --model demo --quick    # 1 run, fewer and shorter requests
 """
 
@@ -49,9 +39,9 @@ ENGINES = {
     "step2": "step2_kvcache.LLM.generate: one request after another, batch 1",
     "step3": "step3_static_batch.LLM.generate, one call per static batch (up to B requests in arrival order, "
     "what generate forms with max_batch_size=B); a batch runs until its longest member finishes",
-    "hf": "transformers GPT2LMHeadModel.generate(do_sample=False, use_cache=True) per static batch of up to B "
-    "in arrival order: left padding + attention_mask, max_new_tokens = min_new_tokens = the batch's largest "
-    "max_tokens; torch.inference_mode",
+    "hf": "transformers GPT2LMHeadModel.generate(do_sample=False, use_cache=True) per static batch of up "
+    "to B in arrival order: left padding + attention_mask, max_new_tokens = min_new_tokens = the batch's "
+    "largest max_tokens; torch.inference_mode",
 }
 
 
@@ -103,8 +93,8 @@ def run(
         "workload": {
             "sampling": "greedy (temperature 0), ignore_eos: every request generates exactly max_tokens",
             "runs": runs,
-            "warmup": f"before each point, every engine once on the same requests with at most {WARMUP_TOKENS} "
-            "new tokens (the first 8 requests on the mixed workload), untimed",
+            "warmup": f"before each point, every engine once on the same requests with at most "
+            f"{WARMUP_TOKENS} new tokens (the first 8 requests on the mixed workload), untimed",
             "quick": quick,
             "equal_length": {
                 "batch_sizes": batch_sizes,
@@ -116,8 +106,9 @@ def run(
             },
             "mixed": {"batch_size": mixed_batch_size, "summary": workloads.summary(mixed), "workload": mixed},
             "engines": ENGINES,
-            "timing": "time.perf_counter from submitting the workload to its last token; engines alternated "
-            "within each run (order rotated per run); medians over runs; ratios are medians of per-run ratios",
+            "timing": "time.perf_counter from submitting the workload to its last token; engines "
+            "alternated within each run (order rotated per run); medians over runs; ratios are medians of "
+            "per-run ratios",
         },
         "models": {},
     }
@@ -279,7 +270,8 @@ def report(result: dict) -> str:
         s = w["mixed"]["summary"]
         lines.append(
             f"\nb. mixed workload: {s['requests']} requests at time 0, prompts {s['prompt_tokens_range']}, "
-            f"max_tokens {s['max_tokens_range']} ({s['max_tokens']} to generate), batch size {mx['batch_size']}"
+            f"max_tokens {s['max_tokens_range']} ({s['max_tokens']} to generate), "
+            f"batch size {mx['batch_size']}"
         )
         rows = []
         for engine, label in (
@@ -315,7 +307,8 @@ def report(result: dict) -> str:
         )
         r = mx["ratios"]
         lines.append(
-            f"step3/step2 throughput {r['step3/step2']['median']:.2f}x, step3/HF {r['step3/hf']['median']:.2f}x; "
+            f"step3/step2 throughput {r['step3/step2']['median']:.2f}x, "
+            f"step3/HF {r['step3/hf']['median']:.2f}x; "
             f"mean latency step2/step3 {r['step2/step3 latency']['median']:.2f}x, "
             f"HF/step3 {r['hf/step3 latency']['median']:.2f}x"
         )
@@ -396,7 +389,8 @@ def plot(result: dict, path: Path) -> Path:
         )
     machine = result["machine"]
     fig.suptitle(
-        f"Static batching benchmark, {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads), "
+        f"Static batching benchmark, {machine['device']} ({machine['cpu']}, "
+        f"{machine['torch_threads']} threads), "
         f"{machine['dtype']}, median of {result['workload']['runs']} run(s)"
     )
     fig.tight_layout()

@@ -30,7 +30,8 @@ import tiktoken
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 END_OF_TEXT = "<|endoftext|>"
 # The special tokens a Hugging Face tokenizer config can name, in the order in which transformers numbers
-# those that no file gives an id; then lists of more special tokens (the name before and since transformers 5).
+# those that no file gives an id; then lists of more special tokens (the name before and since
+# transformers 5).
 NAMED_SPECIAL_TOKENS = (
     "bos_token",
     "eos_token",
@@ -105,7 +106,8 @@ def read_added_tokens(folder: Path, vocab: dict[str, int]) -> list[AddedToken]:
                 or not isinstance(entry.get("content"), str)
             ):
                 raise ValueError(
-                    f"{config_file}: added_tokens_decoder[{key!r}] is not an id -> {{content, special, ...}} entry"
+                    f"{config_file}: added_tokens_decoder[{key!r}] is not an id -> "
+                    "{content, special, ...} entry"
                 )
             flags = (bool(entry.get(flag)) for flag in ("special", "lstrip", "rstrip"))
             added[entry["content"]] = AddedToken(int(key), entry["content"], *flags)
@@ -271,7 +273,8 @@ class Tokenizer:
         return len(self._id_to_bytes)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``: an added token's text (e.g. ``<|endoftext|>``) becomes its id, the rest BPE."""
+        """Token ids of ``text``: an added token's text (e.g. ``<|endoftext|>``) becomes its id, the rest
+        BPE."""
         ids: list[int] = []
         start = 0
         for match in self._added_pattern.finditer(text):

@@ -178,9 +178,10 @@ def _download(repo_id: str) -> Path:
         ) from None
     except Exception as e:  # connection refused, DNS failure, time-out, HF_HUB_OFFLINE=1, Hub error 5xx
         raise ConnectionError(
-            f"model {repo_id!r}: the Hugging Face Hub could not be reached ({type(e).__name__}) and the model "
-            f"is not in the local cache. Download it on a machine with a network, or pass a local folder "
-            f"(--model /path/to/folder with config.json, model.safetensors, vocab.json, merges.txt)."
+            f"model {repo_id!r}: the Hugging Face Hub could not be reached ({type(e).__name__}) "
+            f"and the model is not in the local cache. Download it on a machine with a network, or pass "
+            f"a local folder (--model /path/to/folder with config.json, model.safetensors, vocab.json, "
+            f"merges.txt)."
         ) from None
     return Path(snapshot_download(repo_id, revision=info.sha, allow_patterns=SNAPSHOT_FILES))
 

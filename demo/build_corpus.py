@@ -148,7 +148,7 @@ def dedent(lines: list[str]) -> list[str]:
 
 
 def role_text(role: str, content: str) -> str:
-    """The visible text of an interpreted-text role, e.g. ``role_text("func", "~os.path.join")`` -> ``join()``.
+    """The visible text of an interpreted-text role: ``role_text("func", "~os.path.join")`` -> ``join()``.
 
     Follows Sphinx's display rules: an explicit title ``text <target>`` wins; ``~`` keeps only the last
     dotted component; ``!`` is dropped; function and method roles get ``()`` appended (Sphinx's default

@@ -1,7 +1,8 @@
-"""benchmarks/: the kvcache, static_batch, continuous, gpu, attention and server benchmarks' code paths end to
-end on a tiny model (the server's on the demo model) on the CPU (structure of the JSON, not speed: tests never assert timings), redrawing a plot from the
-JSON, the shared workload files, the harness's alternation, ratios, percentiles and target lines, and the
-synthetic GPT-2 vocabulary of the gpt2-124m-random model."""
+"""benchmarks/: the kvcache, static_batch, continuous, gpu, attention and server benchmarks' code paths end
+to end on a tiny model (the server's on the demo model) on the CPU (structure of the JSON, not speed: tests
+never assert timings), redrawing a plot from the JSON, the shared workload files, the harness's
+alternation, ratios, percentiles and target lines, and the synthetic GPT-2 vocabulary of the
+gpt2-124m-random model."""
 
 from __future__ import annotations
 

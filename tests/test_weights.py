@@ -149,13 +149,14 @@ def test_invalid_hub_id_is_a_value_error(fake_hub):
         resolve_model("gpt2 ")
 
 
-# Tied weights saved under either name (issue 9). GPT-2's LM head is its token embedding; what a checkpoint
+# Tied weights saved under either name. GPT-2's LM head is its token embedding; what a checkpoint
 # holds depends on the tool that wrote it. Every layout that HF's GPT2LMHeadModel.from_pretrained loads
 # (with no missing tensor) must load here, with HF's logits.
 
 
 def saved_tensors(snapshot) -> dict:
-    """The tensors of a snapshot written by GPT2LMHeadModel.save_pretrained: ``transformer.``-prefixed, no lm_head."""
+    """The tensors of a snapshot written by GPT2LMHeadModel.save_pretrained: ``transformer.``-prefixed, no
+    lm_head."""
     from safetensors.torch import load_file
 
     tensors = load_file(snapshot / "model.safetensors")
@@ -168,7 +169,8 @@ def bare(tensors: dict) -> dict:
 
 
 def causal_mask_buffers(tensors: dict) -> dict:
-    """The ``h.N.attn.bias`` buffers (a [1, 1, T, T] lower-triangular mask) that OpenAI's GPT-2 on the Hub carries."""
+    """The ``h.N.attn.bias`` buffers (a [1, 1, T, T] lower-triangular mask) that OpenAI's GPT-2 on the Hub
+    carries."""
     n_layer = 1 + max(int(name.split(".")[1]) for name in bare(tensors) if name.startswith("h."))
     T = bare(tensors)["wpe.weight"].shape[0]
     return {f"h.{i}.attn.bias": torch.tril(torch.ones(T, T)).view(1, 1, T, T) for i in range(n_layer)}
@@ -199,7 +201,8 @@ TIED_LAYOUTS = {
 
 def write_checkpoint(src, folder, tensors: dict, shards: int = 1):
     """``folder``: src's config and tokenizer, and ``tensors`` as model.safetensors or as ``shards`` shards
-    with a model.safetensors.index.json (the LM head, if any, in the last shard, the embedding in the first)."""
+    with a model.safetensors.index.json (the LM head, if any, in the last shard, the embedding in the
+    first)."""
     import json
     import shutil
 
@@ -260,7 +263,8 @@ def untied(tiny_snapshot, folder, prefix: str):
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])
 def test_untied_lm_head_is_a_value_error(tiny_snapshot, tmp_path, prefix):
-    """An lm_head.weight that differs from wte.weight is a separate output matrix, which this GPT-2 cannot hold."""
+    """An lm_head.weight that differs from wte.weight is a separate output matrix, which this GPT-2 cannot
+    hold."""
     from step0_model import GPT
 
     folder = untied(tiny_snapshot, tmp_path / "untied", prefix)

@@ -2,24 +2,12 @@
 
 A workload is a list of requests, each a prompt length, a number of tokens to generate (``max_tokens``,
 generated exactly: the benchmarks pass ``ignore_eos``) and an arrival time in seconds after the start.
-The files in this folder are the definitions; every benchmark, and every later step, reads the same
-file, so "the mixed workload" means one fixed list of 64 requests:
-
-- ``mixed.json``: 64 requests, all arriving at time 0. Prompt lengths log-uniform in [8, 256] tokens and
-  max_tokens log-uniform in [8, 128] (``random.Random(seed)``, rounded): a 32x and a 16x spread, so that
-  a static batch, which runs until its longest member finishes, visibly wastes work. The longest
-  request (256 + 128 = 384 tokens) fits the smallest benchmark model's context window (demo: 512).
-- ``staggered.json``: the first 32 of those requests arriving over time, as a Poisson process
-  (exponential gaps, ``random.Random(seed)``) at ``arrival_rate_per_s`` = 2 requests per second, about
-  what step 4 serves on two CPU cores: a run lasts at least the ~16 s of arrivals.
-
-Prompt token ids are not stored: ``requests()`` draws them from ``token_id_seed`` and the model's
-vocabulary size (request i: ``torch.Generator().manual_seed(token_id_seed + i)``, uniform in
-[0, vocab_size - 1), never the end-of-text id), so one file serves every vocabulary. Text does not
-matter for speed.
-
-``python -m benchmarks.workloads`` writes the files again from the recipes below (the same bytes: the
-recipes are seeded); a test checks that the committed files equal what the recipes make.
+Every benchmark, and every later step, reads the same file: ``mixed.json`` (64 requests at time 0,
+lengths log-uniform, so that a static batch visibly wastes work) and ``staggered.json`` (its first 32
+arriving as a Poisson process at 2 requests per second). Prompt token ids are not stored: ``requests()``
+draws them from ``token_id_seed`` and the model's vocabulary size, so one file serves every vocabulary.
+``python -m benchmarks.workloads`` writes the files again from the seeded recipes below (the same bytes);
+a test checks that the committed files equal them. Details: benchmarks/README.md ("Workloads").
 """
 
 from __future__ import annotations
