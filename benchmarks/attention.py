@@ -652,8 +652,8 @@ def memory_exponent(points: list[dict], impl: str) -> float | None:
 
 
 def targets(model: dict) -> list[dict]:
-    """The issue's targets: ``harness.target_line``'s arguments. Where the sizes they are defined at did not
-    run (--quick), the figure over the sizes that ran, not full size."""
+    """Step 5's kernel targets: ``harness.target_line``'s arguments. Where the sizes they are defined at
+    did not run (--quick), the figure over the sizes that ran, not full size."""
     pre, dec = model["prefill"], model["decode"]
     lens = sorted({p["T"] for p in pre})
     full_prefill = set(FULL["prefill_lens"]) <= set(lens)
