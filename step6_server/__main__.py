@@ -1,4 +1,4 @@
-"""The command line: serve the engine over HTTP with OpenAI's API (see server.py).
+"""The command line: serve the engine over HTTP with OpenAI's API.
 
     python -m step6_server --model demo            # http://127.0.0.1:8000, the web page at /
     python -m step6_server --model gpt2 --device cuda --dtype float16 --port 8080
@@ -8,9 +8,145 @@ Run it from the repository root; `--help` lists every option with its default.
 
 from __future__ import annotations
 
+import argparse
+import inspect
+import socket
 import sys
 
-from .server import main
+from .api_server import DEFAULT_MAX_BODY_BYTES, build_app
+from .async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from .engine import LLMEngine
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line on stderr, exit status 2 (argparse prints the usage too)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _Parser(
+        prog=f"python -m {__package__ or 'step6_server'}",
+        description="Serve the engine over OpenAI's HTTP API, with a web page at /.",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    parser.add_argument(
+        "--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder"
+    )
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=8, help="most requests running at once (default 8)"
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help=f"waiting requests beyond which new ones get 429 (default {DEFAULT_MAX_WAITING_REQUESTS})",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks in the pool")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache pool size in bytes")
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["auto", "triton", "torch"],
+        help="attention implementation (engines that have a choice)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default warning; info logs every request)",
+    )
+    args = parser.parse_args(argv)
+    for name in ("port",):
+        if not 0 <= args.port <= 65535:
+            parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
+    for name in ("max_num_seqs", "block_size", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    if args.max_waiting_requests < 0:
+        parser.error("argument --max-waiting-requests: must be >= 0")
+    return args
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The LLMEngine arguments of the command line; ``attention_backend`` only if this engine takes it."""
+    kwargs = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+    if args.attention_backend is not None:
+        if "attention_backend" not in inspect.signature(LLMEngine).parameters:
+            raise ValueError("--attention-backend: this engine has a single attention implementation")
+        kwargs["attention_backend"] = args.attention_backend
+    return kwargs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m step6_server``: load the model, bind, print the page's URL and a curl line, serve.
+
+    Exit status: 0 after a clean shutdown, 2 on bad flags or a model/port that cannot be used (one line on
+    stderr), 130 on Ctrl-C.
+    """
+    import uvicorn
+
+    args = parse_args(argv)
+    try:
+        engine = LLMEngine(**engine_kwargs(args))
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except (ValueError, ConnectionError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    app = build_app(
+        engine,
+        name,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes,
+        model_root=str(args.model),
+    )
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    print(f"serving {name} on {url}  (web page: {url}/ , metrics: {url}/metrics)", flush=True)
+    print(
+        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',
+        flush=True,
+    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shuts down on the first Ctrl-C, then raises it again
+        return 130
+    finally:
+        app.state.server.bridge.shutdown(timeout=2)
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,18 +36,13 @@ import uvicorn
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from .__main__ import parse_args
+from .api_server import build_app
 from .engine import LLMEngine
 from .llm import LLM
+from .protocol import ChatMessage, chat_logprobs, completion_logprobs
 from .sampling import Logprob, SamplingParams
-from .server import (
-    CHAT_STOP,
-    ChatMessage,
-    build_app,
-    chat_logprobs,
-    completion_logprobs,
-    parse_args,
-    render_chat,
-)
+from .serving_chat import CHAT_STOP, render_chat
 
 PROMPTS = [
     "The Python interpreter",
