@@ -13,7 +13,7 @@ import inspect
 import socket
 import sys
 
-from .api_server import DEFAULT_MAX_BODY_BYTES, build_app
+from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
 from .async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from .engine import LLMEngine
 
@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-waiting-requests",
         type=int,
         default=DEFAULT_MAX_WAITING_REQUESTS,
-        help=f"waiting requests beyond which new ones get 429 (default {DEFAULT_MAX_WAITING_REQUESTS})",
+        help="waiting requests beyond which new ones get 429; a request with more engine requests "
+        f"(prompts x n) gets 400 (default {DEFAULT_MAX_WAITING_REQUESTS})",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks in the pool")
@@ -73,14 +74,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="uvicorn's log level (default warning; info logs every request)",
     )
     args = parser.parse_args(argv)
-    for name in ("port",):
-        if not 0 <= args.port <= 65535:
-            parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
-    for name in ("max_num_seqs", "block_size", "max_body_bytes"):
-        if getattr(args, name) < 1:
-            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1")
-    if args.max_waiting_requests < 0:
-        parser.error("argument --max-waiting-requests: must be >= 0")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
+    # limits that would admit nothing are refused here, before the model loads
+    for name in ("max_num_seqs", "block_size", "max_waiting_requests", "num_kv_blocks", "kv_cache_memory"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1 ({value} admits no request)")
+    if args.max_body_bytes < len(SMALLEST_BODY):
+        parser.error(
+            f"argument --max-body-bytes: must be >= {len(SMALLEST_BODY)}, the size of the smallest "
+            f"request ({SMALLEST_BODY.decode()})"
+        )
     return args
 
 

@@ -38,6 +38,7 @@ from .serving_engine import ClientDisconnected, OpenAIServing
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a 1024-token prompt is a few KiB of JSON
+SMALLEST_BODY = b'{"prompt":"x"}'  # a cap below its size would refuse every request
 OWNED_BY = "step6_server"
 
 
@@ -125,15 +126,18 @@ def build_app(
     """The FastAPI app serving ``engine`` (which it now owns: one thread steps it) as ``served_model_name``.
 
     api_key: if set, ``/v1/`` requests need ``Authorization: Bearer <api_key>`` (401 otherwise).
-    max_waiting_requests: requests waiting for a place in the batch beyond which new ones get 429.
+    max_waiting_requests: requests waiting for a place in the batch beyond which new ones get 429 (one
+    that alone makes more engine requests gets 400). Raises ValueError for limits that admit nothing.
     max_body_bytes: request bodies over this get 413. model_root: shown as ``root`` in ``/v1/models``.
     The engine loop starts with the app (lifespan startup) and stops with it; ``app.state.server`` holds
     the handlers' state (``.bridge`` is the ``AsyncEngine``, ``.metrics`` the ``ServerMetrics``).
     Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/engine/stats,
     GET /health, GET /metrics, GET / (the web page).
     """
-    if max_waiting_requests < 0:
-        raise ValueError(f"max_waiting_requests={max_waiting_requests}: must be >= 0")
+    if max_waiting_requests < 1:
+        raise ValueError(f"max_waiting_requests={max_waiting_requests}: must be >= 1 (0 admits nothing)")
+    if max_body_bytes < len(SMALLEST_BODY):
+        raise ValueError(f"max_body_bytes={max_body_bytes}: must be >= {len(SMALLEST_BODY)} (admits nothing)")
     metrics = ServerMetrics(served_model_name)
     bridge = AsyncEngine(engine, metrics, max_waiting_requests)
     server = OpenAIServing(engine, served_model_name, bridge, metrics, model_root)

@@ -61,6 +61,7 @@ async def create_chat_completion(
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    serving.check_admissible(1, req.n)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     ids = serving.tokenizer.encode(render_chat(req.messages))

@@ -33,6 +33,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
         )
     p = req.prompt
     prompts: list[str | list[int]] = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+    serving.check_admissible(len(prompts), req.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     engine_requests, prompt_texts, prompt_lens = [], [], []
     for i, prompt in enumerate(prompts):

@@ -198,6 +198,19 @@ class OpenAIServing:
                 "logit_bias: not supported by this server", "logit_bias", "unsupported_parameter"
             )
 
+    def check_admissible(self, num_prompts: int, n: int) -> None:
+        """A request makes ``num_prompts * n`` engine requests, all waiting at first: more than the waiting
+        limit could never be queued, however long the client waited. APIError 400 naming the limit (a 429
+        would tell the client to retry what can never succeed)."""
+        limit = self.bridge.max_waiting_requests
+        if num_prompts * n > limit:
+            raise bad_request(
+                f"This request makes {num_prompts * n} engine requests ({num_prompts} prompt(s) x n={n}), "
+                f"more than this server ever queues (max_waiting_requests={limit}): send fewer prompts "
+                "or a smaller n.",
+                "n" if n > 1 else "prompt",
+            )
+
     def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Hand the requests to the engine loop; APIError 503 if the loop is dead, 429 if the queue is
         full."""

@@ -672,6 +672,32 @@ def test_api_key_and_waiting_queue_limit(engine):
         asyncio.run(main())
 
 
+def test_a_request_that_can_never_be_admitted_is_400_not_429(engine, served):
+    """More engine requests (prompts x n) than the waiting limit can never be queued, however long the
+    client waits: 400 naming the limit, not a retryable 429; 429 only when waiting for others helps."""
+    app = build_app(StalledEngine(engine), "demo", max_waiting_requests=2)
+    with serve(app) as url:
+        for path, body, param in [
+            ("/v1/completions", {"prompt": "x", "n": 3}, "n"),
+            ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+            ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, "n"),
+            ("/v1/chat/completions", {"messages": MSG, "n": 3}, "n"),
+        ]:
+            r = httpx.post(url + path, json=body)
+            assert r.status_code == 400 and "Retry-After" not in r.headers, r.text
+            error = r.json()["error"]
+            assert error["param"] == param and error["code"] == "invalid_value"
+            assert "max_waiting_requests" in error["message"] and "2" in error["message"]
+        assert httpx.get(f"{url}/v1/engine/stats").json()["waiting"] == 0
+    # the issue's case, through the SDK that retries 429s: 3 prompts x n=128 on an idle server (limit 256)
+    sdk = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model="demo", prompt=PROMPTS[:3], n=128, max_tokens=1)
+    assert "384" in e.value.body["message"] and "256" in e.value.body["message"]
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        build_app(StalledEngine(engine), "demo", max_waiting_requests=0)
+
+
 def test_a_dead_engine_loop_means_503(engine):
     app = build_app(StalledEngine(engine, fail=True), "demo")
     body = {"model": "demo", "prompt": "x", "max_tokens": 4}
@@ -766,6 +792,10 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
         ["--bogus"],
         ["--dtype", "int3"],
         ["--max-waiting-requests", "-1"],
+        ["--max-waiting-requests", "0"],  # limits that admit nothing
+        ["--num-kv-blocks", "0"],
+        ["--kv-cache-memory", "0"],
+        ["--max-body-bytes", "10"],
     ],
 )
 def test_cli_bad_flags_one_line_exit_2(args, capsys):
