@@ -9,13 +9,22 @@ Run it from the repository root; `--help` lists every option with its default.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import inspect
+import signal
 import socket
 import sys
+import threading
+import time
+
+import uvicorn
 
 from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
-from .async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown
 from .engine import LLMEngine
+
+DEFAULT_GRACE_S = 2.0  # after a signal, how long open requests may take to finish before they are ended
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})",
     )
     parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="after Ctrl-C or SIGTERM, how long open requests may run on before each is ended with an "
+        f"error event (default {DEFAULT_GRACE_S:g})",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -81,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"argument --{name.replace('_', '-')}: must be >= 1 ({value} admits no request)")
+    if not args.timeout_graceful_shutdown >= 0:
+        parser.error("argument --timeout-graceful-shutdown: must be >= 0 seconds")
     if args.max_body_bytes < len(SMALLEST_BODY):
         parser.error(
             f"argument --max-body-bytes: must be >= {len(SMALLEST_BODY)}, the size of the smallest "
@@ -107,14 +126,58 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m step6_server``: load the model, bind, print the page's URL and a curl line, serve.
+class Server(uvicorn.Server):
+    """uvicorn's server with a shutdown that ends open streams cleanly.
 
-    Exit status: 0 after a clean shutdown, 2 on bad flags or a model/port that cannot be used (one line on
-    stderr), 130 on Ctrl-C.
+    On SIGINT or SIGTERM uvicorn stops accepting connections; open requests then have ``grace`` seconds
+    to finish, after which each one still open is ended (``AsyncEngine.end_streams``): a stream with an
+    OpenAI-style error event and ``data: [DONE]``, a whole answer with 503, and its engine requests are
+    aborted. A second signal ends them at once. The signal is not raised again afterwards (uvicorn does,
+    which turns SIGTERM into a kill): a signal is how this server is meant to stop.
     """
-    import uvicorn
 
+    def __init__(self, config: uvicorn.Config, bridge: AsyncEngine, grace: float):
+        super().__init__(config)
+        self.bridge, self.grace = bridge, grace
+        self.signals: list[int] = []
+        self.ended = 0  # open requests ended by the shutdown
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        ending = asyncio.ensure_future(self._end_streams_after_grace())
+        try:
+            await super().shutdown(sockets)  # stop accepting, then wait for the open requests
+        finally:
+            ending.cancel()
+
+    async def _end_streams_after_grace(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and len(self.signals) < 2:
+            await asyncio.sleep(0.05)
+        self.ended = self.bridge.end_streams(ServerShuttingDown("the server is shutting down"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m step6_server``: bind, load the model, print the page's URL and a curl line, serve.
+
+    Exit status: 0 after a clean shutdown (Ctrl-C or SIGTERM: see ``Server``), 2 on bad flags or a
+    model/port that cannot be used (one line on stderr), 130 after a second Ctrl-C.
+    """
     args = parse_args(argv)
     try:
         engine = LLMEngine(**engine_kwargs(args))
@@ -124,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConnectionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
     name = args.served_model_name or args.model
     app = build_app(
         engine,
@@ -143,14 +208,23 @@ def main(argv: list[str] | None = None) -> int:
         f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',
         flush=True,
     )
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2))
+    bridge = app.state.server.bridge
+    grace = args.timeout_graceful_shutdown
+    # uvicorn's own timeout is only a safety net: the streams are ended after the grace period
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 5)
+    server = Server(config, bridge, grace)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shuts down on the first Ctrl-C, then raises it again
-        return 130
     finally:
-        app.state.server.bridge.shutdown(timeout=2)
-    return 0
+        bridge.shutdown(timeout=2)
+    if server.signals:
+        print(
+            f"shut down on {signal.Signals(server.signals[0]).name}: {server.ended} open request(s) "
+            f"ended with an error, {engine.stats.num_used_blocks} KV blocks in use",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 130 if len(server.signals) > 1 else 0
 
 
 if __name__ == "__main__":

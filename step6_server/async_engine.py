@@ -43,6 +43,10 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_waiting_requests`` allows."""
 
 
+class ServerShuttingDown(RuntimeError):
+    """The server is shutting down (a signal) and ended this request before it finished."""
+
+
 @dataclass
 class EngineRequest:
     """One engine request of an HTTP request (an HTTP request with n choices or several prompts has several).
@@ -93,7 +97,8 @@ class AsyncEngine:
     max_waiting_requests: ``submit`` raises ``QueueFullError`` when the requests waiting (in the inbox and
     in the engine's waiting queue) plus the new ones would exceed it. If ``step()`` raises, the thread
     records the exception (``error``), fails every open request with ``EngineDeadError`` and stops;
-    ``alive`` turns False and ``submit`` raises ``EngineDeadError``.
+    ``alive`` turns False and ``submit`` raises ``EngineDeadError``. On shutdown, ``end_streams`` fails
+    the open streams first, and the loop aborts whatever the engine still holds before it stops.
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class AsyncEngine:
         self._pending_adds = 0  # adds in the inbox: waiting, not yet in the engine
         self._stopping = False
         self._routes: dict[str, EngineRequest] = {}  # loop thread only: request id -> its way back
+        self._streams: set[RequestStream] = set()  # event loop only: streams with unfinished requests
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ---- called from the event loop (or any thread) ----
@@ -165,7 +171,17 @@ class AsyncEngine:
             self._inbox.extend(("add", r) for r in requests)
             self._pending_adds += len(requests)
         self._wake.set()
-        return RequestStream(self, queue, [r.request_id for r in requests])
+        stream = RequestStream(self, queue, [r.request_id for r in requests])
+        self._streams.add(stream)
+        return stream
+
+    def end_streams(self, error: BaseException) -> int:
+        """Fail every open stream with ``error`` (in the event loop's thread): its reader raises it, and
+        closing the stream aborts its requests. Returns how many streams were open."""
+        streams, self._streams = self._streams, set()
+        for stream in streams:
+            stream.queue.put_nowait(_Failure(error))
+        return len(streams)
 
     # ---- the loop thread ----
 
@@ -177,7 +193,8 @@ class AsyncEngine:
                     commands, self._inbox = self._inbox, []
                     self._pending_adds -= sum(1 for kind, _ in commands if kind == "add")
                     stopping = self._stopping
-                if stopping:
+                if stopping:  # the aborts sent before the stop still free their blocks
+                    self._apply([(kind, arg) for kind, arg in commands if kind == "abort"])
                     raise EngineDeadError("the server is shutting down")
                 if commands:
                     self._apply(commands)
@@ -198,6 +215,9 @@ class AsyncEngine:
                 pending = [r for kind, r in self._inbox if kind == "add"]
                 self._inbox, self._pending_adds = [], 0
             self._deliver([(r, _Failure(dead)) for r in [*self._routes.values(), *pending]])
+            for request_id in self._routes:  # nobody will read them: free their blocks
+                with contextlib.suppress(Exception):  # the engine may be what failed
+                    self.engine.abort_request(request_id)
             self._routes.clear()
 
     def _apply(self, commands: list[tuple[str, Any]]) -> None:
@@ -308,9 +328,12 @@ class RequestStream:
         index, out = item
         if out.finished:
             self.unfinished.discard(out.request_id)
+            if not self.unfinished:
+                self.bridge._streams.discard(self)
         return index, out
 
     def close(self) -> None:
+        self.bridge._streams.discard(self)
         if self.unfinished:
             self.bridge.abort(sorted(self.unfinished))
             self.unfinished.clear()

@@ -25,7 +25,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from .async_engine import AsyncEngine, EngineDeadError, EngineRequest, QueueFullError, RequestStream
+from .async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    QueueFullError,
+    RequestStream,
+    ServerShuttingDown,
+)
 from .engine import LLMEngine
 from .metrics import ServerMetrics
 from .protocol import APIError, SamplingFields, bad_request
@@ -44,6 +51,16 @@ def engine_dead(error: BaseException | None) -> APIError:
         "server_error",
         None,
         "engine_dead",
+    )
+
+
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "The server is shutting down: this request was stopped before it finished.",
+        "server_error",
+        None,
+        "server_shutdown",
     )
 
 
@@ -235,6 +252,8 @@ class OpenAIServing:
             await cancel_on_disconnect(request, consume())
         except EngineDeadError:
             raise engine_dead(self.bridge.error) from None
+        except ServerShuttingDown:
+            raise shutting_down() from None
         except ValueError as e:
             raise bad_request(str(e)) from None
 
@@ -251,6 +270,8 @@ class OpenAIServing:
                     yield event
             except EngineDeadError:
                 yield sse(engine_dead(self.bridge.error).body())
+            except ServerShuttingDown:
+                yield sse(shutting_down().body())
             except ValueError as e:  # the engine refused a request that passed the entrance
                 yield sse(bad_request(str(e)).body())
             except Exception as e:  # noqa: BLE001 -- the stream has started: report, then end it cleanly

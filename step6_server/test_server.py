@@ -830,6 +830,53 @@ def test_cli_serves_then_quits_quietly_on_ctrl_c(demo_snapshot):
     assert "Traceback" not in err
 
 
+def test_sigterm_with_streams_open_ends_them_with_an_error_event(demo_snapshot):
+    """A signal with streams open: the server stops accepting, ends each unfinished stream with an
+    OpenAI-style error event and [DONE] (a running one and one queued behind it), aborts them in the
+    engine (no KV block left in use), logs one line and exits 0, without a traceback."""
+    proc = _cli(
+        "--model",
+        str(demo_snapshot),
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--max-num-seqs",
+        "1",  # the second stream waits behind the first
+        "--timeout-graceful-shutdown",
+        "0",  # no grace: end the open streams as soon as the signal arrives
+    )
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    try:
+        url = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline()).group(0)
+        proc.stdout.readline()
+        with httpx.Client(base_url=url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as running:
+                running_events = (line for line in running.iter_lines() if line.startswith("data: "))
+                first = next(running_events)  # a token has arrived: this request is running
+                with http.stream("POST", "/v1/completions", json=body) as queued:
+                    assert queued.status_code == 200  # submitted: waiting behind the running one
+                    proc.send_signal(signal.SIGTERM)
+                    queued_events = [line for line in queued.iter_lines() if line.startswith("data: ")]
+                running_events = [first, *running_events]
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for events in (running_events, queued_events):
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert error["type"] == "server_error" and error["code"] == "server_shutdown"
+    assert (
+        len(running_events) > 2 and json.loads(running_events[0][6:])["choices"][0]["finish_reason"] is None
+    )
+    assert len(queued_events) == 2  # it never ran: the error, then [DONE]
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err
+    logged = [line for line in err.splitlines() if "shut" in line]
+    assert len(logged) == 1 and "2 open request" in logged[0] and "0 KV blocks in use" in logged[0], err
+
+
 def test_null_fields_take_their_defaults(served):
     """OpenAI's request fields are nullable: a client that sends null (as some do) gets the default."""
     nulls = {
