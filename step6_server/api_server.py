@@ -43,14 +43,17 @@ OWNED_BY = "step6_server"
 
 
 # --------------------------------------------------------------------------------------------------------
-# The gate in front of the app: API key (401) and body size (413), before anything is parsed
+# The gate in front of the app: API key (401), body size (413) and type, before anything is parsed
 # --------------------------------------------------------------------------------------------------------
 
 
 class Gate:
     """ASGI middleware: requests under ``/v1/`` need ``Authorization: Bearer <api_key>`` when an API key is
     set (compared with ``hmac.compare_digest``, in constant time), except ``/v1/engine/stats`` (the JSON twin
-    of the open ``/metrics``); a body over ``max_body_bytes`` is refused with 413 before it is parsed."""
+    of the open ``/metrics``); a body over ``max_body_bytes`` is refused with 413 before it is parsed; a
+    body sent with a Content-Type that is not JSON's, or none (``curl -d`` sends
+    application/x-www-form-urlencoded), is read as JSON, the API's only body format: the type sent is
+    kept in ``scope["state"]`` for the error message if the body does not parse."""
 
     OPEN = {"/v1/engine/stats"}
 
@@ -87,6 +90,11 @@ class Gate:
             return await too_large.response()(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        sent = headers.get("content-type")
+        if sent is None or not is_json(sent):
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
+            scope.setdefault("state", {})["sent_content_type"] = sent or "none"
         # read the body (chunked bodies have no length), counting, then replay it to the app
         chunks, size, more = [], 0, True
         while more:
@@ -110,6 +118,12 @@ class Gate:
         return await self.app(scope, replay, send)
 
 
+def is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/<something>+json``, with or without parameters."""
+    kind = content_type.split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 # --------------------------------------------------------------------------------------------------------
 # The app
 # --------------------------------------------------------------------------------------------------------
@@ -131,8 +145,8 @@ def build_app(
     max_body_bytes: request bodies over this get 413. model_root: shown as ``root`` in ``/v1/models``.
     The engine loop starts with the app (lifespan startup) and stops with it; ``app.state.server`` holds
     the handlers' state (``.bridge`` is the ``AsyncEngine``, ``.metrics`` the ``ServerMetrics``).
-    Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/engine/stats,
-    GET /health, GET /metrics, GET / (the web page).
+    Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model},
+    GET /v1/engine/stats, GET /health, GET /metrics, GET / (the web page); every GET answers HEAD.
     """
     if max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests={max_waiting_requests}: must be >= 1 (0 admits nothing)")
@@ -172,7 +186,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc, getattr(request.state, "sent_content_type", None)).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -184,6 +198,7 @@ def build_app(
             "invalid_request_error",
             None,
             code,
+            headers=exc.headers,  # a 405 names the methods allowed (Allow), as HTTP requires
         ).response()
 
     @app.post("/v1/completions")
@@ -194,20 +209,28 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
 
-    @app.get("/v1/models")
+    card = {
+        "id": served_model_name,
+        "object": "model",
+        "created": server.created,
+        "owned_by": OWNED_BY,
+        "root": server.model_root,
+        "parent": None,
+        "max_model_len": server.max_model_len,
+    }
+
+    # every GET route answers HEAD too (load balancers probe with it): the same status and headers
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
-        card = {
-            "id": served_model_name,
-            "object": "model",
-            "created": server.created,
-            "owned_by": OWNED_BY,
-            "root": server.model_root,
-            "parent": None,
-            "max_model_len": server.max_model_len,
-        }
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/engine/stats")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    async def model(model: str) -> dict:
+        """One model's card (the SDK's ``models.retrieve``); 404 ``model_not_found`` for another id."""
+        server.check_model(model)
+        return card
+
+    @app.api_route("/v1/engine/stats", methods=["GET", "HEAD"])
     async def engine_stats() -> dict:
         """The engine's figures as JSON (what the web page polls): the last step's batch and KV cache."""
         s = bridge.stats
@@ -225,15 +248,15 @@ def build_app(
             "max_model_len": server.max_model_len,
         }
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if bridge.alive else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 

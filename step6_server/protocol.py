@@ -110,7 +110,7 @@ class SamplingFields(_Body):
 
     model: str | None = None  # OpenAI requires it; vLLM (and this server) default to the served model
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the most likely token (below)
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -126,6 +126,14 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def top_p_0_is_the_most_likely_token(self) -> SamplingFields:
+        """OpenAI accepts top_p in 0..1; 0 is the narrowest nucleus, the most likely token alone. The
+        engine's range is vLLM's, (0, 1], so 0 becomes its equivalent there: top_k = 1 (top_p off)."""
+        if self.top_p == 0:
+            self.top_p, self.top_k = None, 1
+        return self
 
 
 class CompletionRequest(SamplingFields):
@@ -181,13 +189,21 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 as OpenAI's 400: the first problem, naming the field (and its value where short)."""
+def validation_error(exc: RequestValidationError, sent_content_type: str | None = None) -> APIError:
+    """FastAPI's 422 as OpenAI's 400: the first problem, naming the field (and its value where short).
+
+    sent_content_type: the request's Content-Type if it was not JSON's (the body was read as JSON anyway);
+    named in the message when the body does not parse."""
     errors = exc.errors()
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
+        sent = (
+            f" (sent as Content-Type: {sent_content_type}; this API reads every body as JSON)"
+            if sent_content_type
+            else ""
+        )
         return bad_request(
-            f"The body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+            f"The body is not valid JSON{sent}: {first.get('ctx', {}).get('error', first['msg'])}",
             None,
             "json_invalid",
         )

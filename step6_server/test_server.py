@@ -445,7 +445,7 @@ BAD = [
     # (id, path, body (dict, or raw bytes), status, param, code)
     ("temperature>2", C, {"prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
     ("temperature<0", C, {"prompt": "x", "temperature": -0.5}, 400, "temperature", "invalid_value"),
-    ("top_p=0", C, {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("top_p<0", C, {"prompt": "x", "top_p": -0.1}, 400, "top_p", "invalid_value"),
     ("top_p>1", C, {"prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
     ("n=0", C, {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ("n=129", C, {"prompt": "x", "n": 129}, 400, "n", "invalid_value"),
@@ -590,6 +590,74 @@ def test_method_not_allowed_and_body_too_large(served):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "x" * (2 << 20)})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+GET_ROUTES = ["/health", "/metrics", "/v1/models", "/v1/models/demo", "/v1/engine/stats", "/"]
+
+
+@pytest.mark.parametrize("path", GET_ROUTES)
+def test_head_answers_like_get_without_a_body(served, path):
+    """Load-balancer probes send HEAD: every GET route answers it with GET's status and headers, no body."""
+    got, head = httpx.get(served.url + path), httpx.head(served.url + path)
+    assert head.status_code == got.status_code == 200
+    assert head.content == b""
+    assert head.headers.get("content-type") == got.headers.get("content-type")
+    assert head.headers.get("content-length") == got.headers.get("content-length")
+
+
+@pytest.mark.parametrize(
+    "method,path,allowed",
+    [
+        ("GET", "/v1/completions", {"POST"}),
+        ("PUT", "/v1/chat/completions", {"POST"}),
+        ("POST", "/health", {"GET", "HEAD"}),
+        ("DELETE", "/v1/models", {"GET", "HEAD"}),
+        ("POST", "/", {"GET", "HEAD"}),
+    ],
+)
+def test_every_405_carries_an_allow_header(served, method, path, allowed):
+    r = httpx.request(method, served.url + path)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert {m.strip() for m in r.headers["Allow"].split(",")} == allowed
+
+
+def test_models_retrieve(client, served):
+    """The SDK's models.retrieve: GET /v1/models/{model}; an unknown id is OpenAI's 404 model_not_found."""
+    card = client.models.retrieve("demo")
+    assert isinstance(card, Model) and card.id == "demo" and card.object == "model"
+    listed = httpx.get(f"{served.url}/v1/models").json()["data"][0]
+    assert httpx.get(f"{served.url}/v1/models/demo").json() == listed
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
+    assert set(e.value.body) == {"message", "type", "param", "code"}
+
+
+def test_a_json_body_without_a_json_content_type_is_read_as_json(served):
+    """curl -d sends application/x-www-form-urlencoded; the body is still JSON, and is read as JSON."""
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    expected = httpx.post(f"{served.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        r = httpx.post(f"{served.url}/v1/completions", content=json.dumps(body), headers=headers)
+        assert r.status_code == 200, (content_type, r.text)
+        assert r.json()["choices"][0]["text"] == expected
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    r = httpx.post(f"{served.url}/v1/completions", content="prompt=x&max_tokens=4", headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+    assert "application/x-www-form-urlencoded" in r.json()["error"]["message"]
+
+
+def test_top_p_0_means_the_most_likely_token(client, llm):
+    """top_p=0 is inside OpenAI's 0..1: the narrowest nucleus, the most likely token, i.e. greedy."""
+    expected = greedy(llm, PROMPTS[1], 12)
+    for seed in (1, 2):
+        r = client.completions.create(
+            model="demo", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0, seed=seed
+        )
+        assert r.choices[0].text == expected
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)  # the engine's own range stays (0, 1]: the server maps 0 at its entrance
 
 
 # ---------------------------------------------------------------------------------------------------------
