@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import inspect
 import signal
 import socket
@@ -33,7 +34,8 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
+    """The command line's flags; each one's help says its default."""
     parser = _Parser(
         prog=f"python -m {__package__ or 'step6_server'}",
         description="Serve the engine over OpenAI's HTTP API, with a web page at /.",
@@ -43,13 +45,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     parser.add_argument(
-        "--model", default="demo", help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder"
+        "--model",
+        default="demo",
+        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder (default demo)",
     )
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
     parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests"
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights, activations and KV cache (default float32)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/ requests (default: none, open)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=8, help="most requests running at once (default 8)"
@@ -62,13 +73,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"(prompts x n) gets 400 (default {DEFAULT_MAX_WAITING_REQUESTS})",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks in the pool")
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV-cache pool size in bytes")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks in the pool (default: room for --max-num-seqs sequences of the full window)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV-cache pool size in bytes, instead of --num-kv-blocks (default: unset)",
+    )
     parser.add_argument(
         "--attention-backend",
         default=None,
         choices=["auto", "triton", "torch"],
-        help="attention implementation (engines that have a choice)",
+        help="attention implementation (default auto: Triton on CUDA, torch elsewhere)",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -90,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (default warning; info logs every request)",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: bad flags and limits that admit nothing exit with status 2."""
+    parser = make_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
@@ -124,6 +151,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError("--attention-backend: this engine has a single attention implementation")
         kwargs["attention_backend"] = args.attention_backend
     return kwargs
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it later). Raises OSError naming the port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"port {port} on {host} is already in use: choose another with --port (0: any free port)"
+            ) from None
+        raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 class Server(uvicorn.Server):
@@ -173,17 +216,15 @@ class Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m step6_server``: bind, load the model, print the page's URL and a curl line, serve.
+    """``python -m step6_server``: bind the port, load the model, print the page's URL and a curl line, serve.
 
     Exit status: 0 after a clean shutdown (Ctrl-C or SIGTERM: see ``Server``), 2 on bad flags or a
     model/port that cannot be used (one line on stderr), 130 after a second Ctrl-C.
     """
     args = parse_args(argv)
     try:
+        sock = bind(args.host, args.port)  # first: a busy port is reported before a model loads for nothing
         engine = LLMEngine(**engine_kwargs(args))
-        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((args.host, args.port))
     except (ValueError, ConnectionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ import uvicorn
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from .__main__ import parse_args
+from .__main__ import make_parser, parse_args
 from .api_server import build_app
 from .engine import LLMEngine
 from .llm import LLM
@@ -828,8 +828,17 @@ def test_web_page_streams_a_completion(served, llm):
             page.fill("#prompt", "The Python interpreter")
             page.fill("#temperature", "0")
             page.fill("#max-tokens", "24")
+            page.evaluate(
+                """() => {  // every status the page shows, in order
+                    window.statuses = [];
+                    new MutationObserver(() => window.statuses.push(document.getElementById("status")
+                        .textContent)).observe(document.getElementById("status"), {childList: true});
+                }"""
+            )
             page.click("#generate")
             expect(page.locator("#status")).to_have_text("done", timeout=30_000)
+            # "queued" until the first token arrives (the request waits, then is prefilled), then "streaming"
+            assert page.evaluate("window.statuses") == ["queued", "streaming", "done"]
             assert page.locator("#completion").text_content() == expected
             assert page.evaluate("window.chunksReceived") > 1  # it arrived piece by piece
             expect(page.locator("#ttft")).to_have_text(re.compile(r"^\d+ ms$"))
@@ -872,6 +881,30 @@ def test_cli_bad_flags_one_line_exit_2(args, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "error" in err
+
+
+def test_cli_help_shows_every_default(capsys):
+    for action in make_parser()._actions:
+        assert action.dest == "help" or "default" in action.help, action.option_strings
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--device DEVICE [^-]*\(default cpu\)", text), text
+    assert re.search(r"--dtype \{float32,float16,bfloat16\} [^-]*\(default float32\)", text), text
+
+
+def test_cli_a_port_in_use_is_reported_before_the_model_loads():
+    """The port is bound first: a busy port is one line naming it, exit 2, before any model is read
+    (the model given here does not exist: its error would come first otherwise)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _cli("--model", "/nonexistent/model/folder", "--port", str(port))
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"port {port}" in err and "in use" in err and "nonexistent" not in err
 
 
 def test_cli_bad_flag_as_a_process():
