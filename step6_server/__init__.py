@@ -1,5 +1,6 @@
 """Step 6: an OpenAI-compatible streaming HTTP server in front of the engine, with a web page."""
 
+from .api_server import build_app
 from .block_manager import BlockManager
 from .engine import LLMEngine
 from .kv_cache import PagedKVCache
@@ -7,7 +8,6 @@ from .llm import LLM
 from .sampling import Logprob, RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import CompletionOutput, RequestMetrics, RequestOutput
-from .server import build_app
 
 __all__ = [
     "LLM",

@@ -36,18 +36,13 @@ import uvicorn
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from .__main__ import make_parser, parse_args
+from .api_server import build_app
 from .engine import LLMEngine
 from .llm import LLM
+from .protocol import ChatMessage, chat_logprobs, completion_logprobs
 from .sampling import Logprob, SamplingParams
-from .server import (
-    CHAT_STOP,
-    ChatMessage,
-    build_app,
-    chat_logprobs,
-    completion_logprobs,
-    parse_args,
-    render_chat,
-)
+from .serving_chat import CHAT_STOP, render_chat
 
 PROMPTS = [
     "The Python interpreter",
@@ -450,7 +445,7 @@ BAD = [
     # (id, path, body (dict, or raw bytes), status, param, code)
     ("temperature>2", C, {"prompt": "x", "temperature": 3}, 400, "temperature", "invalid_value"),
     ("temperature<0", C, {"prompt": "x", "temperature": -0.5}, 400, "temperature", "invalid_value"),
-    ("top_p=0", C, {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("top_p<0", C, {"prompt": "x", "top_p": -0.1}, 400, "top_p", "invalid_value"),
     ("top_p>1", C, {"prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
     ("n=0", C, {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ("n=129", C, {"prompt": "x", "n": 129}, 400, "n", "invalid_value"),
@@ -597,6 +592,74 @@ def test_method_not_allowed_and_body_too_large(served):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+GET_ROUTES = ["/health", "/metrics", "/v1/models", "/v1/models/demo", "/v1/engine/stats", "/"]
+
+
+@pytest.mark.parametrize("path", GET_ROUTES)
+def test_head_answers_like_get_without_a_body(served, path):
+    """Load-balancer probes send HEAD: every GET route answers it with GET's status and headers, no body."""
+    got, head = httpx.get(served.url + path), httpx.head(served.url + path)
+    assert head.status_code == got.status_code == 200
+    assert head.content == b""
+    assert head.headers.get("content-type") == got.headers.get("content-type")
+    assert head.headers.get("content-length") == got.headers.get("content-length")
+
+
+@pytest.mark.parametrize(
+    "method,path,allowed",
+    [
+        ("GET", "/v1/completions", {"POST"}),
+        ("PUT", "/v1/chat/completions", {"POST"}),
+        ("POST", "/health", {"GET", "HEAD"}),
+        ("DELETE", "/v1/models", {"GET", "HEAD"}),
+        ("POST", "/", {"GET", "HEAD"}),
+    ],
+)
+def test_every_405_carries_an_allow_header(served, method, path, allowed):
+    r = httpx.request(method, served.url + path)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert {m.strip() for m in r.headers["Allow"].split(",")} == allowed
+
+
+def test_models_retrieve(client, served):
+    """The SDK's models.retrieve: GET /v1/models/{model}; an unknown id is OpenAI's 404 model_not_found."""
+    card = client.models.retrieve("demo")
+    assert isinstance(card, Model) and card.id == "demo" and card.object == "model"
+    listed = httpx.get(f"{served.url}/v1/models").json()["data"][0]
+    assert httpx.get(f"{served.url}/v1/models/demo").json() == listed
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
+    assert set(e.value.body) == {"message", "type", "param", "code"}
+
+
+def test_a_json_body_without_a_json_content_type_is_read_as_json(served):
+    """curl -d sends application/x-www-form-urlencoded; the body is still JSON, and is read as JSON."""
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    expected = httpx.post(f"{served.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        r = httpx.post(f"{served.url}/v1/completions", content=json.dumps(body), headers=headers)
+        assert r.status_code == 200, (content_type, r.text)
+        assert r.json()["choices"][0]["text"] == expected
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    r = httpx.post(f"{served.url}/v1/completions", content="prompt=x&max_tokens=4", headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+    assert "application/x-www-form-urlencoded" in r.json()["error"]["message"]
+
+
+def test_top_p_0_means_the_most_likely_token(client, llm):
+    """top_p=0 is inside OpenAI's 0..1: the narrowest nucleus, the most likely token, i.e. greedy."""
+    expected = greedy(llm, PROMPTS[1], 12)
+    for seed in (1, 2):
+        r = client.completions.create(
+            model="demo", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0, seed=seed
+        )
+        assert r.choices[0].text == expected
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)  # the engine's own range stays (0, 1]: the server maps 0 at its entrance
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 401, 429, 503: engines that stall or die (test doubles with the engine's interface)
 # ---------------------------------------------------------------------------------------------------------
@@ -677,6 +740,32 @@ def test_api_key_and_waiting_queue_limit(engine):
         asyncio.run(main())
 
 
+def test_a_request_that_can_never_be_admitted_is_400_not_429(engine, served):
+    """More engine requests (prompts x n) than the waiting limit can never be queued, however long the
+    client waits: 400 naming the limit, not a retryable 429; 429 only when waiting for others helps."""
+    app = build_app(StalledEngine(engine), "demo", max_waiting_requests=2)
+    with serve(app) as url:
+        for path, body, param in [
+            ("/v1/completions", {"prompt": "x", "n": 3}, "n"),
+            ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+            ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, "n"),
+            ("/v1/chat/completions", {"messages": MSG, "n": 3}, "n"),
+        ]:
+            r = httpx.post(url + path, json=body)
+            assert r.status_code == 400 and "Retry-After" not in r.headers, r.text
+            error = r.json()["error"]
+            assert error["param"] == param and error["code"] == "invalid_value"
+            assert "max_waiting_requests" in error["message"] and "2" in error["message"]
+        assert httpx.get(f"{url}/v1/engine/stats").json()["waiting"] == 0
+    # the issue's case, through the SDK that retries 429s: 3 prompts x n=128 on an idle server (limit 256)
+    sdk = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model="demo", prompt=PROMPTS[:3], n=128, max_tokens=1)
+    assert "384" in e.value.body["message"] and "256" in e.value.body["message"]
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        build_app(StalledEngine(engine), "demo", max_waiting_requests=0)
+
+
 def test_a_dead_engine_loop_means_503(engine):
     app = build_app(StalledEngine(engine, fail=True), "demo")
     body = {"model": "demo", "prompt": "x", "max_tokens": 4}
@@ -739,8 +828,17 @@ def test_web_page_streams_a_completion(served, llm):
             page.fill("#prompt", "The Python interpreter")
             page.fill("#temperature", "0")
             page.fill("#max-tokens", "24")
+            page.evaluate(
+                """() => {  // every status the page shows, in order
+                    window.statuses = [];
+                    new MutationObserver(() => window.statuses.push(document.getElementById("status")
+                        .textContent)).observe(document.getElementById("status"), {childList: true});
+                }"""
+            )
             page.click("#generate")
             expect(page.locator("#status")).to_have_text("done", timeout=30_000)
+            # "queued" until the first token arrives (the request waits, then is prefilled), then "streaming"
+            assert page.evaluate("window.statuses") == ["queued", "streaming", "done"]
             assert page.locator("#completion").text_content() == expected
             assert page.evaluate("window.chunksReceived") > 1  # it arrived piece by piece
             expect(page.locator("#ttft")).to_have_text(re.compile(r"^\d+ ms$"))
@@ -771,6 +869,10 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
         ["--bogus"],
         ["--dtype", "int3"],
         ["--max-waiting-requests", "-1"],
+        ["--max-waiting-requests", "0"],  # limits that admit nothing
+        ["--num-kv-blocks", "0"],
+        ["--kv-cache-memory", "0"],
+        ["--max-body-bytes", "10"],
     ],
 )
 def test_cli_bad_flags_one_line_exit_2(args, capsys):
@@ -779,6 +881,30 @@ def test_cli_bad_flags_one_line_exit_2(args, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "error" in err
+
+
+def test_cli_help_shows_every_default(capsys):
+    for action in make_parser()._actions:
+        assert action.dest == "help" or "default" in action.help, action.option_strings
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--device DEVICE [^-]*\(default cpu\)", text), text
+    assert re.search(r"--dtype \{float32,float16,bfloat16\} [^-]*\(default float32\)", text), text
+
+
+def test_cli_a_port_in_use_is_reported_before_the_model_loads():
+    """The port is bound first: a busy port is one line naming it, exit 2, before any model is read
+    (the model given here does not exist: its error would come first otherwise)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _cli("--model", "/nonexistent/model/folder", "--port", str(port))
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"port {port}" in err and "in use" in err and "nonexistent" not in err
 
 
 def test_cli_bad_flag_as_a_process():
@@ -803,6 +929,53 @@ def test_cli_serves_then_quits_quietly_on_ctrl_c(demo_snapshot):
             proc.kill()
     assert proc.returncode in (0, 130)
     assert "Traceback" not in err
+
+
+def test_sigterm_with_streams_open_ends_them_with_an_error_event(demo_snapshot):
+    """A signal with streams open: the server stops accepting, ends each unfinished stream with an
+    OpenAI-style error event and [DONE] (a running one and one queued behind it), aborts them in the
+    engine (no KV block left in use), logs one line and exits 0, without a traceback."""
+    proc = _cli(
+        "--model",
+        str(demo_snapshot),
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--max-num-seqs",
+        "1",  # the second stream waits behind the first
+        "--timeout-graceful-shutdown",
+        "0",  # no grace: end the open streams as soon as the signal arrives
+    )
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    try:
+        url = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline()).group(0)
+        proc.stdout.readline()
+        with httpx.Client(base_url=url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as running:
+                running_events = (line for line in running.iter_lines() if line.startswith("data: "))
+                first = next(running_events)  # a token has arrived: this request is running
+                with http.stream("POST", "/v1/completions", json=body) as queued:
+                    assert queued.status_code == 200  # submitted: waiting behind the running one
+                    proc.send_signal(signal.SIGTERM)
+                    queued_events = [line for line in queued.iter_lines() if line.startswith("data: ")]
+                running_events = [first, *running_events]
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for events in (running_events, queued_events):
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert error["type"] == "server_error" and error["code"] == "server_shutdown"
+    assert (
+        len(running_events) > 2 and json.loads(running_events[0][6:])["choices"][0]["finish_reason"] is None
+    )
+    assert len(queued_events) == 2  # it never ran: the error, then [DONE]
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err
+    logged = [line for line in err.splitlines() if "shut" in line]
+    assert len(logged) == 1 and "2 open request" in logged[0] and "0 KV blocks in use" in logged[0], err
 
 
 def test_null_fields_take_their_defaults(served):
