@@ -35,6 +35,7 @@ from .kernels import (  # noqa: E402
     LOG2E,
     NOT_SPECIALISED,
     _check_attention_inputs,
+    _check_index_tensor,
     _check_usable,
     paged_attention,
 )
@@ -405,8 +406,10 @@ def write_kv(
     k_cache, v_cache: [num_blocks, block_size, H, D]; k, v: [N, H, D] (any strides; cast to the cache's
     dtype); slot_mapping: [N] int32/int64, slot = block * block_size + offset; a negative slot is skipped.
     The same as step 4's ``k_cache.view(-1, H, D)[slot_mapping] = k``, as one kernel for K and V.
-    Raises ValueError on mismatched shapes or devices.
+    Raises ValueError, naming the argument, on mismatched shapes or devices, or a slot_mapping that is not
+    a contiguous int32/int64 tensor.
     """
+    _check_index_tensor("slot_mapping", slot_mapping, 1, k.device)
     N, H, D = k.shape
     if (
         v.shape != k.shape
@@ -418,8 +421,8 @@ def write_kv(
             f"expected k, v [N, H, D], caches [num_blocks, block_size, H, D], slot_mapping [N]; got "
             f"{list(k.shape)}, {list(v.shape)}, {list(k_cache.shape)}, {list(slot_mapping.shape)}"
         )
-    if len({t.device for t in (k, v, k_cache, v_cache, slot_mapping)}) != 1:
-        raise ValueError("all tensors must be on one device")
+    if len({t.device for t in (k, v, k_cache, v_cache)}) != 1:
+        raise ValueError("k, v, k_cache and v_cache must be on one device")
     _check_usable(k.device)
     if N == 0:
         return

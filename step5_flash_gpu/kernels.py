@@ -229,6 +229,22 @@ def _attention_config(max_query_len: int, head_dim: int) -> dict:
     return dict(block_m=128, block_n=64, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
 
 
+def _check_index_tensor(name: str, t, dims: int, device: torch.device) -> None:
+    """Raise ValueError, naming the argument, unless ``t`` is an integer tensor the kernels can index:
+    int32/int64, ``dims`` dimensions, on ``device``, and if 1-D contiguous (a kernel reads its element i at
+    offset i; a block table's strides are passed to the kernel, so any view of one is read right)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32 or int64 tensor, got {getattr(t, 'dtype', type(t))}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimension(s), got shape {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, as the other tensors, got {t.device}")
+    if dims == 1 and t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(
+            f"{name} must be contiguous (stride 1), got stride {t.stride(0)}: pass .contiguous()"
+        )
+
+
 def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q must be [N, H, D] float32/float16/bfloat16, got {list(q.shape)} {q.dtype}")
@@ -241,21 +257,19 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_s
         raise ValueError(
             f"k_cache and v_cache must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}"
         )
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(
+            f"k_cache and v_cache must be on q's device {q.device}, got {k_cache.device}, {v_cache.device}"
+        )
+    _check_index_tensor("block_tables", block_tables, 2, q.device)
+    _check_index_tensor("seq_lens", seq_lens, 1, q.device)
+    _check_index_tensor("query_start_loc", query_start_loc, 1, q.device)
     S = seq_lens.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != S or query_start_loc.shape != (S + 1,):
+    if block_tables.shape[0] != S or query_start_loc.shape != (S + 1,):
         raise ValueError(
             f"expected block_tables [S, M], seq_lens [S], query_start_loc [S + 1] with S = {S}, "
             f"got {list(block_tables.shape)}, {list(seq_lens.shape)}, {list(query_start_loc.shape)}"
         )
-    for name, t in (
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    ):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if len({t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)}) != 1:
-        raise ValueError("all tensors must be on one device")
 
 
 def paged_attention(
@@ -284,8 +298,10 @@ def paged_attention(
     seq_lens[s] - query_len + i and attends to keys 0 .. that position. scale: default D ** -0.5.
     block_m, block_n, num_warps, num_stages override the tile table (block_m >= 16 and block_n >= 16,
     powers of two, on a GPU).
-    Returns out [N, H, D] in q's dtype. Raises ValueError on inconsistent shapes, dtypes or devices, or
-    bfloat16 on a CPU (``CPU_BF16_UNSUPPORTED``), RuntimeError on CPU tensors without the interpreter.
+    Returns out [N, H, D] in q's dtype. Raises ValueError, naming the argument, on inconsistent shapes,
+    dtypes or devices and on a non-contiguous seq_lens or query_start_loc (block_tables may be any view),
+    or on bfloat16 on a CPU (``CPU_BF16_UNSUPPORTED``); RuntimeError on CPU tensors without the
+    interpreter.
     Sources: Dao et al. 2022 / Dao 2023 (FlashAttention, -2), Kwon et al. 2023 (PagedAttention).
     """
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)

@@ -14,13 +14,16 @@ import torch
 from .flash_decoding import choose_num_splits, flash_decoding_attention, write_kv
 from .kernels import paged_attention_reference
 from .test_kernels import (
+    MISUSES,
     TOL,
     check,
     decode_batch,
     gpu,
+    honoured_or_refused,
     make_batch,
     needs_cuda,
     past_int32_offsets,
+    strided,
     usable_device,
 )
 
@@ -85,6 +88,47 @@ def test_write_kv(device, dtype, block_size):
     want_v.view(-1, H, D)[slots[keep]] = v[keep]
     write_kv(k_cache, v_cache, k, v, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("misuse", MISUSES)
+@pytest.mark.parametrize("name", ["block_tables", "seq_lens", "query_start_loc"])
+def test_split_integer_arguments_honoured_or_refused(device, name, misuse):
+    """As test_kernels.py checks the kernel's: the split path reads each integer argument right or raises
+    ValueError naming it."""
+    batch = make_batch([(1, 9), (1, 30)], 2, 16, 8, torch.float32, device, seed=12)
+    ref = paged_attention_reference(**batch)
+    bad = {**batch, name: MISUSES[misuse](batch[name])}
+    honoured_or_refused(
+        lambda: flash_decoding_attention(**bad, num_splits=2),
+        name,
+        lambda out: torch.testing.assert_close(out, ref, atol=1e-4, rtol=0),
+    )
+
+
+@pytest.mark.parametrize("misuse", [*MISUSES, "2-D"])
+def test_slot_mapping_honoured_or_refused(device, misuse):
+    """slot_mapping strided (gaps of -1, a skipped slot), of another dtype, on another device or [N, 1]:
+    write_kv writes exactly step 4's slots or raises ValueError naming it."""
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.zeros(4, 8, 2, 16, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(2, 5, 2, 16, generator=g).to(device)
+    slots = torch.randperm(32, generator=g)[:5].to(device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, 2, 16)[slots] = k
+    want_v.view(-1, 2, 16)[slots] = v
+    bad = (
+        slots[:, None]
+        if misuse == "2-D"
+        else strided(slots, -1)
+        if misuse == "stride 2"
+        else MISUSES[misuse](slots)
+    )
+
+    def written(_):
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+    honoured_or_refused(lambda: write_kv(k_cache, v_cache, k, v, bad), "slot_mapping", written)
 
 
 # ---------------------------------------------------------------------------------------------------------

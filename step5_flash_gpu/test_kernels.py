@@ -168,6 +168,49 @@ def test_bad_inputs_raise(device):
         paged_attention(**{**batch, "seq_lens": batch["seq_lens"].float()})
 
 
+def strided(t: torch.Tensor, gap: int) -> torch.Tensor:
+    """t's values in a view whose last dimension has stride 2, the elements between them set to ``gap``."""
+    buffer = torch.full((*t.shape[:-1], 2 * t.shape[-1]), gap, dtype=t.dtype, device=t.device)
+    buffer[..., ::2] = t
+    return buffer[..., ::2]
+
+
+# An integer tensor argument the way a caller may get it wrong: a stride-2 view with the right values (the
+# gaps hold 0, harmless to read: a kernel that ignored the stride gives wrong rows, not a crash), another
+# integer dtype, a float dtype, another device.
+MISUSES = {
+    "stride 2": lambda t: strided(t, 0),
+    "int16": lambda t: t.to(torch.int16),
+    "float": lambda t: t.float(),
+    "other device": lambda t: t.to("meta"),
+}
+
+
+def honoured_or_refused(call, name: str, check_result) -> None:
+    """``call()`` either raises ValueError naming ``name`` or returns what ``check_result`` accepts."""
+    try:
+        result = call()
+    except ValueError as e:
+        assert name in str(e), f"the error does not name {name}: {e}"
+    else:
+        check_result(result)
+
+
+@pytest.mark.parametrize("misuse", MISUSES)
+@pytest.mark.parametrize("name", ["block_tables", "seq_lens", "query_start_loc"])
+def test_integer_arguments_honoured_or_refused(device, name, misuse):
+    """Every integer tensor argument, strided, of another dtype or on another device: the kernel reads it
+    right (the reference's output) or raises ValueError naming it; never a wrong answer without an error."""
+    batch = make_batch([(3, 3), (1, 9), (2, 12)], 2, 16, 8, torch.float32, device, seed=11)
+    ref = paged_attention_reference(**batch)
+    bad = {**batch, name: MISUSES[misuse](batch[name])}
+    honoured_or_refused(
+        lambda: paged_attention(**bad),
+        name,
+        lambda out: torch.testing.assert_close(out, ref, atol=1e-4, rtol=0),
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # How the interpreter gets switched on (only meaningful without CUDA)
 
