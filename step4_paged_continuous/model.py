@@ -14,7 +14,8 @@ the slots the engine chose, and attention reads each sequence's keys and values 
 block table (plain PyTorch here: a gather, then scaled dot-product attention; step 5 fuses this into
 a GPU kernel). Only the last token of each sequence gets logits: the next token is sampled from them.
 
-Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd, H = n_head, D = C / H head size, V = vocab_size.
+Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd,
+H = n_head, D = C / H head size, V = vocab_size.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from .kv_cache import PagedKVCache
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Tensors of HF checkpoints that are not parameters: the causal-mask buffers of old checkpoints.
 IGNORED_HF_TENSORS = (".attn.bias", ".attn.masked_bias")
-# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name, or both.
+# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name,
+# or both.
 TIED_HF_TENSORS = {"lm_head.weight": "wte.weight"}
 
 
@@ -97,7 +99,8 @@ class AttentionMetadata:
 
     The batch holds S sequences, the num_prefills prefills first, then the decodes (one token each).
     slot_mapping: [N] int64, the cache slot of each new token (block * block_size + offset).
-    query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows query_start_loc[i]:query_start_loc[i+1].
+    query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows
+    query_start_loc[i]:query_start_loc[i+1].
     logits_indices: [S] int64, the row of each sequence's last new token (the one whose logits are sampled).
     decode_block_tables: [S_d, M] int64, each decode's block ids, short rows padded with block 0.
     decode_mask: [S_d, 1, 1, M * block_size], the model's dtype: 0 for each decode's keys, -inf past its

@@ -16,7 +16,8 @@ place, tile by tile, with an online softmax (FlashAttention over a paged cache);
 plain-PyTorch reference (a gather, then scaled dot-product attention). Only the last token of each
 sequence gets logits: the next token is sampled from them.
 
-Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd, H = n_head, D = C / H head size, V = vocab_size.
+Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd,
+H = n_head, D = C / H head size, V = vocab_size.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ except ImportError:  # Triton is not installed: only the "torch" attention backe
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Tensors of HF checkpoints that are not parameters: the causal-mask buffers of old checkpoints.
 IGNORED_HF_TENSORS = (".attn.bias", ".attn.masked_bias")
-# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name, or both.
+# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name,
+# or both.
 TIED_HF_TENSORS = {"lm_head.weight": "wte.weight"}
 
 
@@ -115,7 +117,8 @@ class AttentionMetadata:
 
     The batch holds S sequences, the num_prefills prefills first, then the decodes (one token each).
     slot_mapping: [N] int64, the cache slot of each new token (block * block_size + offset).
-    query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows query_start_loc[i]:query_start_loc[i+1].
+    query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows
+    query_start_loc[i]:query_start_loc[i+1].
     query_start_loc_t: the same offsets as an [S + 1] int64 tensor on the device, for the kernels.
     logits_indices: [S] int64, the row of each sequence's last new token (the one whose logits are sampled).
     seq_lens: [S] int64, each sequence's length after this step (cached tokens + its new ones).
