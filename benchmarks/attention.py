@@ -32,13 +32,12 @@ import torch.nn.functional as F  # noqa: E402
 from common.weights import load_config  # noqa: E402
 from step4_paged_continuous.kv_cache import PagedKVCache  # noqa: E402
 from step4_paged_continuous.model import decode_attention_mask  # noqa: E402
-from step5_flash_gpu.kernels import (  # noqa: E402
+from step5_flash_gpu.flash_decoding import (  # noqa: E402
     choose_num_splits,
-    paged_attention,
-    paged_attention_reference,
-    triton_usable,
+    flash_decoding_attention,
     write_kv,
 )
+from step5_flash_gpu.kernels import paged_attention, paged_attention_reference, triton_usable  # noqa: E402
 
 from . import harness  # noqa: E402
 from .models import snapshot  # noqa: E402
@@ -395,7 +394,7 @@ def decode_point(
         )[:, :, 0]  # [S_d, H, D]
 
     def triton_with(num_splits):
-        return lambda: paged_attention(
+        return lambda: flash_decoding_attention(
             q, cache.k[0], cache.v[0], bt32, lens32, query_start_loc, 1, num_splits=num_splits
         )
 

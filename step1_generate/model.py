@@ -22,7 +22,8 @@ from common.weights import GPT2Config, load_config, load_safetensors, resolve_mo
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Tensors of HF checkpoints that are not parameters: the causal-mask buffers of old checkpoints.
 IGNORED_HF_TENSORS = (".attn.bias", ".attn.masked_bias")
-# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name, or both.
+# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name,
+# or both.
 TIED_HF_TENSORS = {"lm_head.weight": "wte.weight"}
 
 

@@ -14,7 +14,8 @@ the slots the engine chose, and attention reads each sequence's keys and values 
 block table (plain PyTorch here: a gather, then scaled dot-product attention; step 5 fuses this into
 a GPU kernel). Only the last token of each sequence gets logits: the next token is sampled from them.
 
-Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd, H = n_head, D = C / H head size, V = vocab_size.
+Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd,
+H = n_head, D = C / H head size, V = vocab_size.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from .kv_cache import PagedKVCache
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Tensors of HF checkpoints that are not parameters: the causal-mask buffers of old checkpoints.
 IGNORED_HF_TENSORS = (".attn.bias", ".attn.masked_bias")
-# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name, or both.
+# The LM head is the token embedding itself (weight tying): a checkpoint may store it under either name,
+# or both.
 TIED_HF_TENSORS = {"lm_head.weight": "wte.weight"}
 
 
@@ -97,7 +99,8 @@ class AttentionMetadata:
 
     The batch holds S sequences, the num_prefills prefills first, then the decodes (one token each).
     slot_mapping: [N] int64, the cache slot of each new token (block * block_size + offset).
-    query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows query_start_loc[i]:query_start_loc[i+1].
+    query_start_loc: S + 1 offsets: sequence i's new tokens are batch rows
+    query_start_loc[i]:query_start_loc[i+1].
     logits_indices: [S] int64, the row of each sequence's last new token (the one whose logits are sampled).
     decode_block_tables: [S_d, M] int64, each decode's block ids, short rows padded with block 0.
     decode_mask: [S_d, 1, 1, M * block_size], the model's dtype: 0 for each decode's keys, -inf past its
@@ -122,6 +125,20 @@ def decode_attention_mask(seq_lens: torch.Tensor, num_keys: int, dtype: torch.dt
     return mask[:, None, None, :]
 
 
+def written_slots(block_tables: torch.Tensor, decode_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slot of every key position of S_d decodes: [S_d, M * block_size] int64, from their block
+    tables [S_d, M]; a position past a sequence's length (-inf in ``decode_mask``) gets the slot of the
+    sequence's position 0, which it owns and has written, so the mask hides a real key.
+
+    The slots past a length (the last block's tail, the block the padding entries name) hold whatever
+    earlier owners left, NaN or Inf included (an fp16 overflow), and a masked key's zero weight does not
+    cancel them (0 x NaN = NaN): the sequence's output would turn NaN. Indexing the pool by slot copies
+    as much as gathering whole blocks does, with no second pass to clean the copy."""
+    offsets = torch.arange(block_size, device=block_tables.device)  # [block_size]
+    slots = (block_tables[:, :, None] * block_size + offsets).flatten(1)  # [S_d, M * block_size]
+    return torch.where(decode_mask[:, 0, 0] == 0, slots, slots[:, :1])
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -136,7 +153,8 @@ def paged_attention(
     A prefill covers its whole sequence (this engine caches no prefixes and does not split prompts), so
     its tokens attend to each other with the usual causal mask, one sequence at a time. The decodes run
     together, one query each, over keys and values read back from the cache through their block tables,
-    with the keys past each sequence's length masked out.
+    with the keys past each sequence's length masked out; only slots a sequence has written are read
+    (``written_slots``).
     """
     ys = []  # each sequence's output rows, in batch order
     P = meta.num_prefills
@@ -146,7 +164,10 @@ def paged_attention(
         ys.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1))  # [T, H, D]
     if P < len(meta.query_start_loc) - 1:
         a = meta.query_start_loc[P]
-        k_all, v_all = kv_cache.gather(layer, meta.decode_block_tables)  # [S_d, M * block_size, H, D]
+        # each key position's slot, or past a sequence's length one it has written: [S_d, M * block_size]
+        slots = written_slots(meta.decode_block_tables, meta.decode_mask, kv_cache.block_size)
+        k_all = kv_cache.k[layer].flatten(0, 1)[slots]  # [S_d, M * block_size, H, D], a copy
+        v_all = kv_cache.v[layer].flatten(0, 1)[slots]  # [S_d, M * block_size, H, D]
         ys.append(
             F.scaled_dot_product_attention(
                 q[a:, :, None, :],  # [S_d, H, 1, D]

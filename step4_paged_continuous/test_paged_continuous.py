@@ -161,6 +161,27 @@ def test_forced_preemption_keeps_outputs_identical(demo_engine_args, solo):
     )
 
 
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+def test_stale_values_in_the_pool_never_reach_a_request(demo_engine_args, stale):
+    """Every slot of the pool holds NaN, then Inf, before the first request (what an earlier fp16 request
+    can leave in blocks that are later reused): the greedy ids equal a clean pool's, for requests of
+    several lengths crossing block boundaries, preempted and recomputed in other requests' old blocks."""
+
+    def run(fill: float | None) -> tuple[dict[str, list[int]], int]:
+        engine = LLMEngine(**demo_engine_args, block_size=4, num_kv_blocks=12, max_num_seqs=4)
+        if fill is not None:
+            for pool in engine.kv_cache.k + engine.kv_cache.v:  # [num_blocks, block_size, H, D] per layer
+                pool.fill_(fill)
+        for i, prompt in enumerate(PROMPTS[:4]):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        return drain(engine), engine.stats.num_preemptions
+
+    clean, _ = run(None)
+    stale_outputs, num_preemptions = run(stale)
+    assert num_preemptions > 0
+    assert stale_outputs == clean
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prompts_at_block_boundaries(demo_engine_args, solo, block_size):
     """Prompt lengths block_size - 1, block_size, block_size + 1; generation crosses further boundaries."""

@@ -83,6 +83,24 @@ def test_triton_backend_greedy_equals_step4(demo_snapshot, block_size):
         assert llm.engine.stats.num_preemptions > 0
 
 
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_stale_values_in_the_pool_never_reach_a_request(demo_snapshot, backend, stale):
+    """Every slot of the pool holds NaN, then Inf, before the first request (an earlier fp16 request can
+    leave such values in blocks later reused): each backend's greedy ids equal step 4's on a clean pool,
+    for prompts of 1 to 9 tokens decoded across block boundaries, preempted and recomputed in reused
+    blocks (12 blocks of 4 tokens)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    engine_args = dict(block_size=4, num_kv_blocks=12, max_num_seqs=4)
+    llm = LLM(model=str(demo_snapshot), device=device, attention_backend=backend, **engine_args)
+    for pool in llm.engine.kv_cache.k + llm.engine.kv_cache.v:  # [num_blocks, block_size, H, D] per layer
+        pool.fill_(stale)
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**params))]
+    assert llm.engine.stats.num_preemptions > 0
+    assert ours == step4_outputs(demo_snapshot, PROMPTS, params, **engine_args)
+
+
 def test_triton_backend_refused_where_it_cannot_run(demo_snapshot, monkeypatch):
     from . import engine
 

@@ -62,6 +62,7 @@ UNCHANGED_FROM_PREVIOUS = {
         "model_runner.py",
         "engine.py",
         "kernels.py",
+        "flash_decoding.py",
     ],
 }
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
