@@ -1,0 +1,26 @@
+"""Step 7: decode steps replayed from CUDA graphs, fed from persistent input buffers, behind step 6's server."""
+
+from .block_manager import BlockManager
+from .engine import LLMEngine
+from .kv_cache import PagedKVCache
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .scheduler import Scheduler, SchedulerStats
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
+from .server import build_app
+
+__all__ = [
+    "LLM",
+    "BlockManager",
+    "CompletionOutput",
+    "LLMEngine",
+    "Logprob",
+    "PagedKVCache",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerStats",
+    "build_app",
+]
