@@ -1,4 +1,4 @@
-"""Step 7: decode steps replayed from CUDA graphs, fed from persistent input buffers, behind step 6's server."""
+"""Step 7: decode steps replayed from CUDA graphs over persistent input buffers, behind step 6's server."""
 
 from .block_manager import BlockManager
 from .engine import LLMEngine

@@ -275,8 +275,9 @@ def test_gpu_replay_equals_eager_exactly(demo_snapshot, dtype, backend):
         runner.input_batch.prepare(
             SchedulerOutput(decodes=engine.scheduler.running[:b]), engine.block_manager.block_tables, lanes
         )
-        eager = runner.decode_forward(lanes).clone()
-        replayed = runner.graph_runner.replay(lanes).clone()
+        with torch.inference_mode():
+            eager = runner.decode_forward(lanes).clone()
+            replayed = runner.graph_runner.replay(lanes).clone()
         assert torch.equal(eager, replayed), (b, (eager - replayed).abs().max().item())
         assert torch.isfinite(replayed).all()
 

@@ -63,7 +63,21 @@ UNCHANGED_FROM_PREVIOUS = {
         "engine.py",
         "kernels.py",
     ],
+    # step 7 changes the model runner (and the engine's start-up): the rest of the engine and the server
+    "step7_cuda_graphs": [
+        "sampling.py",
+        "sequence.py",
+        "llm.py",
+        "scheduler.py",
+        "block_manager.py",
+        "kv_cache.py",
+        "model.py",
+        "kernels.py",
+    ],
 }
+# Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
+# previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
+MECHANISM_TESTS = {"step7_cuda_graphs": "test_cuda_graphs.py"}
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
 CONCEPT_FILES = [
@@ -86,6 +100,7 @@ def test_layout():
         "step4_paged_continuous",
         "step5_flash_gpu",
         "step6_server",
+        "step7_cuda_graphs",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
@@ -104,7 +119,9 @@ def test_layout():
 def test_one_file_per_serving_concept(step):
     for name in CONCEPT_FILES:
         assert (step / name).is_file(), f"{step.name}/{name}"
-    if "engine.py" not in UNCHANGED_FROM_PREVIOUS.get(step.name, []):  # a new engine is tested anew
+    if step.name in MECHANISM_TESTS:  # tested against the previous step on every path the mechanism changes
+        assert (step / MECHANISM_TESTS[step.name]).is_file()
+    elif "engine.py" not in UNCHANGED_FROM_PREVIOUS.get(step.name, []):  # a new engine is tested anew
         assert (step / "test_generate.py").is_file() and (step / "test_sampling.py").is_file()
 
 
