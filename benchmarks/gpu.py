@@ -398,8 +398,8 @@ def bench_model(
         engines = {e for wanted in by_workload.values() for e in wanted if e.startswith("hf") or e in modules}
         item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         hf = hf_model(folder, device, dtype) if engines & {"hf", "hf_static"} else None
-        if "hf_static" in engines and hasattr(torch, "_dynamo"):
-            torch._dynamo.config.recompile_limit = HF_STATIC_RECOMPILE_LIMIT
+        if "hf_static" in engines:
+            raise_recompile_limit()
         step2 = (
             modules["step2"].LLM(model=str(folder), device=device, dtype=dtype)
             if "step2" in engines
@@ -476,6 +476,14 @@ def bench_model(
         del hf, step2
         harness.free(device)
     return out
+
+
+def raise_recompile_limit() -> None:
+    """Let torch.compile keep a graph per shape: hf_static meets a new one at every point."""
+    import torch._dynamo
+
+    name = next(n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n))
+    setattr(torch._dynamo.config, name, HF_STATIC_RECOMPILE_LIMIT)
 
 
 def measure(

@@ -87,6 +87,7 @@ class CUDAGraphRunner:
         workspaces, Triton's compiled kernels, the allocator's blocks are set up outside the capture),
         then the captures, largest first, into one memory pool. Returns (and keeps) the ``CaptureStats``."""
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # as each capture does: the difference below is then what the graphs hold
         free_before, started = torch.cuda.mem_get_info(self.device)[0], time.perf_counter()
         self.logits = torch.empty(max(self.sizes), self.vocab_size, dtype=self.dtype, device=self.device)
         side = torch.cuda.Stream(self.device)

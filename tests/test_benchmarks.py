@@ -11,7 +11,17 @@ import json
 import pytest
 import torch
 
-from benchmarks import attention, continuous, gpu, harness, kvcache, server, static_batch, workloads
+from benchmarks import (
+    attention,
+    continuous,
+    cuda_graphs,
+    gpu,
+    harness,
+    kvcache,
+    server,
+    static_batch,
+    workloads,
+)
 from benchmarks.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
 from common.tokenizer import Tokenizer, byte_to_unicode
 
@@ -516,6 +526,24 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
 
     report = server.report(written)
     assert "not measured at full size" in report and "MISSED" not in report and "load average" in report
+
+
+def test_cuda_graphs_benchmark_breaks_a_step_down(tiny_model, tmp_path):
+    """On a CPU: the kernel (operator) count and the step breakdown, eager only, no ladder; the phases of
+    a step add up to the step."""
+    spec = {**cuda_graphs.QUICK, "workload": {"prompt_tokens": 4, "max_tokens": 6}, "steps": 3}
+    result = cuda_graphs.run([tiny_model], "cpu", 1, spec, quick=True, out_dir=tmp_path)
+    written = json.loads((tmp_path / "quick" / "cuda_graphs-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    model = written["models"][tiny_model]
+    assert model["ladder"] is None and [k["batch_size"] for k in model["kernels"]] == [1, 4]
+    assert all(k["kernels"] > 0 for k in model["kernels"])
+    for point in model["breakdown"]:
+        host = point["host_s"]
+        assert not point["graphs"] and point["steps"] == 3
+        assert sum(host[k] for k in cuda_graphs.PHASES) == pytest.approx(host["step"])
+        assert point["decode_tok_s"] == pytest.approx(point["batch_size"] / host["step"])
+    assert "per decode step" in cuda_graphs.report(written)
 
 
 def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_path):

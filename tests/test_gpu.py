@@ -94,7 +94,9 @@ def syncs_in_one_step(engine) -> int:
             engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    # each sync warns "called a synchronizing CUDA operation"; the first use of the mode in a process also
+    # warns that it "does not yet detect all synchronizing operations", which is not a sync
+    return sum("called a synchronizing" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize(
