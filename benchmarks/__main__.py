@@ -38,6 +38,10 @@ BENCHMARKS = {
         "benchmarks.attention",
         "step5's Triton kernels vs PyTorch: prefill, paged decode, write_kv, KV memory",
     ),
+    "cuda_graphs": (
+        "benchmarks.cuda_graphs",
+        "step7's CUDA graphs: kernels per step, a decode step's breakdown, replay vs eager, the ladder",
+    ),
     "server": (
         "benchmarks.server",
         "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson",
@@ -89,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gpu only: run only this dtype's points (repeatable) and merge them into the recorded "
         "JSON, replacing that dtype's earlier points",
     )
+    parser.add_argument(
+        "--workload",
+        action="append",
+        dest="workloads",
+        metavar="WORKLOAD",
+        choices=["short", "long"],
+        help="gpu only: run only this workload's points (repeatable), merged like --dtype",
+    )
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -99,14 +111,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_device(args.device)
         except ValueError as e:
             parser.error(f"--{e}")
-    if args.dtypes and args.replot:
-        parser.error("--dtype measures: it does not go with --replot")
-    if (
-        args.dtypes
-        and "dtypes"
-        not in inspect.signature(importlib.import_module(BENCHMARKS[args.name][0]).main).parameters
-    ):
-        parser.error(f"--dtype: the {args.name} benchmark runs one dtype; only gpu takes --dtype")
+    for flag, dest in (("--dtype", "dtypes"), ("--workload", "workloads")):
+        if getattr(args, dest) and args.replot:
+            parser.error(f"{flag} measures: it does not go with --replot")
+        if (
+            getattr(args, dest)
+            and dest
+            not in inspect.signature(importlib.import_module(BENCHMARKS[args.name][0]).main).parameters
+        ):
+            parser.error(f"{flag}: only the gpu benchmark takes {flag}")
     return args
 
 
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.replot:
             harness.replot(module.NAME, args.device, module.plot, module.report, quick=args.quick)
             return 0
-        extra = {"dtypes": args.dtypes} if args.dtypes else {}
+        extra = {k: getattr(args, k) for k in ("dtypes", "workloads") if getattr(args, k)}
         module.main(models=args.models, device=args.device, runs=runs, quick=args.quick, **extra)
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,15 +1,18 @@
-"""Steps 2 to 5 on a GPU against Hugging Face's generate: what each stage buys where serving happens.
+"""Steps 2 to 5 and 7 on a GPU against Hugging Face's generate: what each stage buys where serving happens.
 
 End to end through each engine's ``LLM.generate`` (the engine's own Python included), on GPT-2 124M's
 shape with random weights, greedy, ``ignore_eos``, B = 1, 8, 64, 256 requests of one length submitted at
 once, workloads ``short`` (32 + 128 tokens) and ``long`` (512 + 256), in fp16, fp32 and bf16 (``MATRIX``).
-Engines: ``hf`` (batched generate), ``step2`` (B = 1), ``step3``, ``step4``, ``step5`` (``ENGINES``). Each
-point: a whole untimed run of every engine, then alternated runs; throughput and ms per token beside the
-memory floor (weights and KV bytes per step over the measured copy bandwidth). Then cProfile of step 4's
-and step 5's engines at B = 256, and the dtype study (``DTYPE_STUDY``). ``--dtype`` runs one dtype and
-merges it into the recorded JSON (``merge_into``). Details and the JSON layout: benchmarks/README.md.
+Engines: ``hf`` (batched generate), ``hf_static`` (the same with a static cache, its decode compiled on a
+GPU: HF's fastest documented path; fp16), ``step2`` (B = 1), ``step3``, ``step4``, ``step5``, ``step7``
+(CUDA graphs) (``ENGINES``). Each point: a whole untimed run of every engine, then alternated runs;
+throughput and ms per token beside the memory floor (weights and KV bytes per step over the measured copy
+bandwidth). Then cProfile of steps 4, 5 and 7's engines at B = 256, and the dtype study (``DTYPE_STUDY``).
+``--dtype`` and ``--workload`` run one part and merge it into the recorded JSON (``merge_into``). Details
+and the JSON layout: benchmarks/README.md.
 
     python -m benchmarks gpu --device cuda --runs 2   # one H200: ~18 minutes (--dtype float16 alone: ~8)
+    python -m benchmarks gpu --device cuda --runs 2 --dtype float16 --workload short   # one part, merged
     python -m benchmarks gpu --quick                  # CPU, tiny sizes, fp32, B = 1 and 4: checks it works
 """
 
@@ -39,23 +42,30 @@ WORKLOADS = {
     "short": {"prompt_tokens": 32, "max_tokens": 128},
     "long": {"prompt_tokens": 512, "max_tokens": 256},
 }
-ENGINE_NAMES = ("hf", "step2", "step3", "step4", "step5")
-# dtype -> workload -> the engines that run it (step5 where its package exists). A whole run takes about 18
-# minutes on an H200; `--dtype` runs one dtype's part (6 to 7 minutes) and merges it into the recorded JSON.
+ENGINE_NAMES = ("hf", "hf_static", "step2", "step3", "step4", "step5", "step7")
+# dtype -> workload -> the engines that run it (step5, step7 where their packages exist). A whole run takes
+# about 18 minutes on an H200 without hf_static (which compiles at every point); `--dtype` and `--workload`
+# run a part and merge it into the recorded JSON. hf_static runs in the serving dtype only.
 MATRIX = {
-    dtype: {"short": ENGINE_NAMES, "long": ENGINE_NAMES} for dtype in ("float16", "float32", "bfloat16")
+    dtype: {"short": engines, "long": engines}
+    for dtype, engines in (
+        ("float16", ENGINE_NAMES),
+        ("float32", tuple(e for e in ENGINE_NAMES if e != "hf_static")),
+        ("bfloat16", tuple(e for e in ENGINE_NAMES if e != "hf_static")),
+    )
 }
 STEP_PACKAGES = {
     "step2": "step2_kvcache",
     "step3": "step3_static_batch",
     "step4": "step4_paged_continuous",
     "step5": "step5_flash_gpu",
+    "step7": "step7_cuda_graphs",
 }
 STEP2_MAX_BATCH = 1  # step 2 serves one request at a time: it runs at B = 1 only
 BLOCK_SIZE = 16
 TOKEN_ID_SEED = 3000
 PROFILE = {
-    "engines": ("step4", "step5"),
+    "engines": ("step4", "step5", "step7"),
     "dtype": "float16",
     "batch_size": 256,
     "workload": "short",
@@ -95,13 +105,17 @@ ENGINES = {
     "hf": "transformers GPT2LMHeadModel.generate(do_sample=False, use_cache=True, max_new_tokens = "
     "min_new_tokens = max_tokens) on the B requests as one batch, left padding + attention_mask; "
     "torch.inference_mode",
+    "hf_static": "hf with cache_implementation='static' (transformers compiles the decode forward on a "
+    "GPU: torch.compile, mode reduce-overhead); compiled in the point's untimed warm-up run",
     "step2": "step2_kvcache.LLM.generate: one request at a time (B = 1 only)",
     "step3": "step3_static_batch.LLM(max_batch_size=B).generate: one static batch",
     "step4": f"step4_paged_continuous.LLM(max_num_seqs=B, block_size={BLOCK_SIZE}, num_kv_blocks = B x the "
     "blocks of the longest request of all workloads; max_num_batched_tokens: the engine's default)"
     ".generate: no preemption",
     "step5": "step5_flash_gpu.LLM with step4's arguments (attention_backend: its default).generate",
+    "step7": "step7_cuda_graphs.LLM with step4's arguments (CUDA graphs captured at start-up).generate",
 }
+HF_STATIC_RECOMPILE_LIMIT = 64  # torch._dynamo's default (8) would fall back to eager after 8 shapes
 
 
 def main(
@@ -110,12 +124,14 @@ def main(
     runs: int = DEFAULT_RUNS,
     quick: bool = False,
     dtypes: list[str] | None = None,
+    workloads: list[str] | None = None,
 ) -> dict:
     """The CLI entry (``python -m benchmarks gpu --device cuda``): the full or quick workloads on each model.
 
-    dtypes (``--dtype``, repeatable): run only these dtypes' points and merge them into the recorded JSON,
-    where they replace that dtype's earlier points (see ``run``'s merge); the profiles and the dtype study
-    run with float16. Raises ValueError for a dtype the matrix lacks.
+    dtypes (``--dtype``, repeatable), workloads (``--workload``, repeatable): run only these dtypes' and
+    workloads' points and merge them into the recorded JSON, where they replace the same (dtype, workload)
+    points of earlier runs (see ``run``'s merge); the profiles run with float16 and the short workload, the
+    dtype study with float16 and all workloads. Raises ValueError for a dtype or workload the matrix lacks.
     """
     matrix, profile, study = (
         (QUICK["matrix"], QUICK["profile"], QUICK["dtype_study"]) if quick else (MATRIX, PROFILE, DTYPE_STUDY)
@@ -128,6 +144,14 @@ def main(
         matrix = {d: w for d, w in matrix.items() if d in dtypes}
         profile = profile if profile["dtype"] in matrix else None
         study = study if "float16" in dtypes else None
+    if workloads:
+        known = {w for by_workload in matrix.values() for w in by_workload}
+        unknown = sorted(set(workloads) - known)
+        if unknown:
+            raise ValueError(f"--workload {', '.join(unknown)}: the workloads are {', '.join(sorted(known))}")
+        matrix = {d: {w: e for w, e in ws.items() if w in workloads} for d, ws in matrix.items()}
+        profile = profile if profile and profile["workload"] in workloads else None
+        study = study if len(workloads) == len(known) else None
     if quick:
         return run(
             models or DEFAULT_MODELS,
@@ -139,7 +163,7 @@ def main(
             profile=profile,
             dtype_study=study,
             quick=True,
-            merge=bool(dtypes),
+            merge=bool(dtypes or workloads),
         )
     return run(
         models or DEFAULT_MODELS,
@@ -148,7 +172,7 @@ def main(
         matrix=matrix,
         profile=profile,
         dtype_study=study,
-        merge=bool(dtypes),
+        merge=bool(dtypes or workloads),
     )
 
 
@@ -242,26 +266,41 @@ def run(
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
+def part(dtype: str, workload: str) -> str:
+    """The name of one part of the matrix, as ``earlier_runs`` lists it: "float16 short"."""
+    return f"{dtype} {workload}"
+
+
+def run_parts(run: dict) -> list[str]:
+    """The parts of an ``earlier_runs`` entry (entries written before parts existed name their dtypes: all
+    workloads of those)."""
+    return run.get("parts") or [part(d, w) for d in run.get("dtypes", []) for w in WORKLOADS]
+
+
 def merge_into(old: dict, new: dict) -> dict:
-    """``new`` (a run of some dtypes) with what ``old`` (the recorded result) has beyond it: the points of the
-    dtypes ``new`` did not run, its profiles and dtype study where ``new`` has none, its models that ``new``
-    did not run. Where points came from another run, ``earlier_runs`` lists that run's dtypes and machine
-    (its own earlier runs carried along)."""
-    ran = set(new["workload"]["matrix"])
-    kept = {p["dtype"] for model in old["models"].values() for p in model["points"]} - ran
+    """``new`` (a run of some parts of the matrix: (dtype, workload) pairs) with what ``old`` (the recorded
+    result) has beyond it: the points of the parts ``new`` did not run, its profiles and dtype study where
+    ``new`` has none, its models that ``new`` did not run. Where points came from another run,
+    ``earlier_runs`` lists that run's parts and machine (its own earlier runs carried along)."""
+    ran = {part(d, w) for d, by_workload in new["workload"]["matrix"].items() for w in by_workload}
+    kept = {
+        part(p["dtype"], p["workload"]) for model in old["models"].values() for p in model["points"]
+    } - ran
     out = {**new, "models": {**old["models"], **new["models"]}}
-    out["workload"] = {
-        **new["workload"],
-        "matrix": {
-            **{d: w for d, w in old["workload"]["matrix"].items() if d in kept},
-            **new["workload"]["matrix"],
-        },
-    }
+    matrix: dict[str, dict] = {}
+    for d, by_workload in old["workload"]["matrix"].items():
+        for w, engines in by_workload.items():
+            if part(d, w) in kept:
+                matrix.setdefault(d, {})[w] = engines
+    for d, by_workload in new["workload"]["matrix"].items():
+        matrix.setdefault(d, {}).update(by_workload)
+    out["workload"] = {**new["workload"], "matrix": matrix}
     for name, model in new["models"].items():
         before = old["models"].get(name, {})
         out["models"][name] = {
             **model,
-            "points": [p for p in before.get("points", []) if p["dtype"] in kept] + model["points"],
+            "points": [p for p in before.get("points", []) if part(p["dtype"], p["workload"]) in kept]
+            + model["points"],
             "profiles": model["profiles"] or before.get("profiles", {}),
         }
     if "dtype_study" not in new and "dtype_study" in old:
@@ -269,17 +308,20 @@ def merge_into(old: dict, new: dict) -> dict:
         out["workload"]["dtype_study"] = old["workload"].get("dtype_study")
     if not any(model["profiles"] for model in new["models"].values()):
         out["workload"]["profile"] = old["workload"].get("profile")
-    earlier = [{**r, "dtypes": [d for d in r["dtypes"] if d in kept]} for r in old.get("earlier_runs", [])]
-    from_old = sorted(kept - {d for r in earlier for d in r["dtypes"]})  # the old run's own points still kept
+    earlier = [
+        {**{k: v for k, v in r.items() if k != "dtypes"}, "parts": [x for x in run_parts(r) if x in kept]}
+        for r in old.get("earlier_runs", [])
+    ]
+    from_old = sorted(kept - {x for r in earlier for x in r["parts"]})  # the old run's own points still kept
     earlier.append(
         {
-            "dtypes": from_old,
+            "parts": from_old,
             "machine": old["machine"],
             "runs": old["workload"]["runs"],
             "elapsed_s": old.get("elapsed_s"),
         }
     )
-    out["earlier_runs"] = [r for r in earlier if r["dtypes"]]
+    out["earlier_runs"] = [r for r in earlier if r["parts"]]
     return out
 
 
@@ -325,9 +367,11 @@ def bench_model(
     }
 
     for dtype, by_workload in matrix.items():
-        engines = {e for wanted in by_workload.values() for e in wanted if e == "hf" or e in modules}
+        engines = {e for wanted in by_workload.values() for e in wanted if e.startswith("hf") or e in modules}
         item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        hf = hf_model(folder, device, dtype) if "hf" in engines else None
+        hf = hf_model(folder, device, dtype) if engines & {"hf", "hf_static"} else None
+        if "hf_static" in engines:
+            raise_recompile_limit()
         step2 = (
             modules["step2"].LLM(model=str(folder), device=device, dtype=dtype)
             if "step2" in engines
@@ -339,7 +383,7 @@ def bench_model(
                 llms["step3"] = modules["step3"].LLM(
                     model=str(folder), device=device, dtype=dtype, max_batch_size=b
                 )
-            for e in ("step4", "step5"):
+            for e in ("step4", "step5", "step7"):
                 if e in engines:
                     llms[e] = modules[e].LLM(
                         model=str(folder),
@@ -360,7 +404,8 @@ def bench_model(
                 reqs = workloads.requests(equal, config.vocab_size, config.n_positions)
                 point_started = time.perf_counter()
                 point = measure(
-                    hf if "hf" in wanted else None,
+                    hf,
+                    [e for e in ("hf", "hf_static") if e in wanted],
                     {e: llm for e, llm in llms.items() if e in wanted},
                     modules,
                     reqs,
@@ -368,6 +413,10 @@ def bench_model(
                     runs,
                     device,
                 )
+                if "step7" in llms and llms["step7"].engine.model_runner.graph_runner is not None:
+                    point["capture"] = dataclasses.asdict(
+                        llms["step7"].engine.model_runner.graph_runner.stats
+                    )
                 print(
                     ": "
                     + ", ".join(f"{e} {m['throughput_tok_s']:.0f}" for e, m in point["median"].items())
@@ -401,17 +450,36 @@ def bench_model(
     return out
 
 
+def raise_recompile_limit() -> None:
+    """Let torch.compile keep a graph per shape: hf_static meets a new one at every point."""
+    import torch._dynamo
+
+    name = next(n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n))
+    setattr(torch._dynamo.config, name, HF_STATIC_RECOMPILE_LIMIT)
+
+
 def measure(
-    hf, llms: dict, modules: dict, reqs: list[workloads.Request], b: int, runs: int, device: str
+    hf,
+    hf_engines: list[str],
+    llms: dict,
+    modules: dict,
+    reqs: list[workloads.Request],
+    b: int,
+    runs: int,
+    device: str,
 ) -> dict:
-    """One point: the engines (``hf`` if given, and ``llms``: step name -> its ``LLM``) each run once on the
-    requests untimed, then alternated over ``runs`` runs."""
-    calls = {"hf": lambda: hf_figures(serving.run_hf(hf, reqs, b, device))} if hf is not None else {}
+    """One point: the engines (``hf_engines`` of "hf", "hf_static" on the HF model ``hf``, and ``llms``:
+    step name -> its ``LLM``) each run once on the requests untimed, then alternated over ``runs`` runs."""
+    cache = {"hf": None, "hf_static": "static"}
+    calls = {
+        e: lambda e=e: hf_figures(serving.run_hf(hf, reqs, b, device, cache_implementation=cache[e]))
+        for e in hf_engines
+    }
     calls |= {e: lambda e=e, llm=llm: time_generate(llm, modules[e], reqs, device) for e, llm in llms.items()}
     raw = harness.alternate(calls, runs, warmup=1)
     ratios = {f"{e}/hf": (e, "hf", "throughput_tok_s") for e in raw if e != "hf" and "hf" in raw}
-    if {"step4", "step5"} <= set(raw):
-        ratios["step5/step4"] = ("step5", "step4", "throughput_tok_s")
+    pairs = [("step5", "step4"), ("step7", "hf_static"), ("step7", "step3"), ("step7", "step5")]
+    ratios |= {f"{a}/{b}": (a, b, "throughput_tok_s") for a, b in pairs if {a, b} <= set(raw)}
     return serving.compare(raw, ratios)
 
 
@@ -617,7 +685,7 @@ def report(result: dict) -> str:
     for r in result.get("earlier_runs", []):
         m = r["machine"]
         lines.append(
-            f"  {', '.join(r['dtypes'])}: from an earlier run ({m['date']}, {m.get('gpu') or m['cpu']}, "
+            f"  {', '.join(run_parts(r))}: from an earlier run ({m['date']}, {m.get('gpu') or m['cpu']}, "
             f"torch {m['torch']}, {r['runs']} run(s))"
         )
     for name, model in result["models"].items():
@@ -726,7 +794,15 @@ def plot(result: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    colors = {"hf": "C7", "step2": "C0", "step3": "C1", "step4": "C2", "step5": "C3"}
+    colors = {
+        "hf": "C7",
+        "hf_static": "C8",
+        "step2": "C0",
+        "step3": "C1",
+        "step4": "C2",
+        "step5": "C3",
+        "step7": "C4",
+    }
     grid = [
         (name, key, points)
         for name, model in result["models"].items()
@@ -773,7 +849,7 @@ def plot(result: dict, path: Path) -> Path:
     runs = (
         ""
         if not result.get("earlier_runs")
-        else ("; each dtype's panels from one run: compare engines within a panel, not across dtypes")
+        else ("; each panel from one run: compare engines within a panel, not across panels")
     )
     fig.suptitle(
         f"GPU benchmark, {machine['device']} ({machine.get('gpu') or machine['cpu']}), "

@@ -243,12 +243,20 @@ def run_step4(engine, module, requests: list[Request], device: str = "cpu") -> d
 
 
 @torch.inference_mode()
-def run_hf(model, requests: list[Request], batch_size: int, device: str = "cpu") -> dict:
+def run_hf(
+    model,
+    requests: list[Request],
+    batch_size: int,
+    device: str = "cpu",
+    cache_implementation: str | None = None,
+) -> dict:
     """Hugging Face ``GPT2LMHeadModel.generate`` (greedy, KV cache on) in batches of ``batch_size`` in
     arrival order; ``batch_size`` 1 is one request after another. A batch is left-padded to its longest
     prompt, with an attention mask, and every row generates the batch's largest max_tokens
     (``min_new_tokens = max_new_tokens``), as a static batch does: the rows' extra tokens are waste.
-    All requests must arrive at 0. Returns {"wall_s", "requests": [records]} (first_token_s is None).
+    All requests must arrive at 0. cache_implementation: generate's ("static": a preallocated cache, and
+    on a GPU the decode forward compiled; None: the default dynamic cache). Returns {"wall_s", "requests":
+    [records]} (first_token_s is None).
     """
     if any(r.arrival_s for r in requests):
         raise ValueError("run_hf serves requests that all arrive at time 0")
@@ -277,6 +285,7 @@ def run_hf(model, requests: list[Request], batch_size: int, device: str = "cpu")
             max_new_tokens=new,
             min_new_tokens=new,
             pad_token_id=pad_id,
+            **({"cache_implementation": cache_implementation} if cache_implementation else {}),
         )
         harness.synchronize(device)
         end = time.perf_counter() - t0

@@ -12,7 +12,17 @@ import json
 import pytest
 import torch
 
-from benchmarks import attention, continuous, gpu, harness, kvcache, server, static_batch, workloads
+from benchmarks import (
+    attention,
+    continuous,
+    cuda_graphs,
+    gpu,
+    harness,
+    kvcache,
+    server,
+    static_batch,
+    workloads,
+)
 from benchmarks.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
 from common.tokenizer import Tokenizer, byte_to_unicode
 
@@ -336,6 +346,7 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     assert written["workload"]["workloads"]["long"]["prompt_tokens"] == 12  # exactly what ran
     model = written["models"][tiny_model]
     step5 = importlib.util.find_spec("step5_flash_gpu") is not None
+    step7 = importlib.util.find_spec("step7_cuda_graphs") is not None
     assert ("step5" in model["skipped"]) is not step5  # skipped, and said so, while the package is missing
 
     # one point per batch size and workload; step 2 at B = 1 only; every run generates exactly what it asks
@@ -349,7 +360,10 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
         b, n = point["batch_size"], lengths[point["workload"]]["max_tokens"]
         if point["workload"] == "short":  # every engine there; on long, only those the matrix names
             engines = (
-                {"hf", "step3", "step4"} | ({"step2"} if b == 1 else set()) | ({"step5"} if step5 else set())
+                {"hf", "hf_static", "step3", "step4"}
+                | ({"step2"} if b == 1 else set())
+                | ({"step5"} if step5 else set())
+                | ({"step7"} if step7 else set())
             )
             assert set(point["ratios"]) >= {f"{e}/hf" for e in engines - {"hf"}}
         else:
@@ -366,8 +380,10 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
         floor = point["memory_floor"]
         assert floor["weight_bytes"] == 4 * model["parameters"] and floor["throughput_tok_s"] > 0
 
-    # the profiles: the top functions of step 4's and step 5's engines, by own and by cumulative time
-    assert set(model["profiles"]) == {"step4"} | ({"step5"} if step5 else set())
+    # the profiles: the top functions of steps 4, 5 and 7's engines, by own and by cumulative time
+    assert set(model["profiles"]) == {"step4"} | ({"step5"} if step5 else set()) | (
+        {"step7"} if step7 else set()
+    )
     for engine, prof in model["profiles"].items():
         assert prof["requests"] == 2 and prof["steps"] == 3 and len(prof["top_tottime"]) == 5
         own = [r["tottime_s"] for r in prof["top_tottime"]]
@@ -513,11 +529,29 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
     assert "not measured at full size" in report and "MISSED" not in report and "load average" in report
 
 
+def test_cuda_graphs_benchmark_breaks_a_step_down(tiny_model, tmp_path):
+    """On a CPU: the kernel (operator) count and the step breakdown, eager only, no ladder; the phases of
+    a step add up to the step."""
+    spec = {**cuda_graphs.QUICK, "workload": {"prompt_tokens": 4, "max_tokens": 6}, "steps": 3}
+    result = cuda_graphs.run([tiny_model], "cpu", 1, spec, quick=True, out_dir=tmp_path)
+    written = json.loads((tmp_path / "quick" / "cuda_graphs-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    model = written["models"][tiny_model]
+    assert model["ladder"] is None and [k["batch_size"] for k in model["kernels"]] == [1, 4]
+    assert all(k["kernels"] > 0 for k in model["kernels"])
+    for point in model["breakdown"]:
+        host = point["host_s"]
+        assert not point["graphs"] and point["steps"] == 3
+        assert sum(host[k] for k in cuda_graphs.PHASES) == pytest.approx(host["step"])
+        assert point["decode_tok_s"] == pytest.approx(point["batch_size"] / host["step"])
+    assert "per decode step" in cuda_graphs.report(written)
+
+
 def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_path):
     """`--dtype` runs one dtype's points and merges them into the recorded JSON: the other dtypes' points,
     profiles and study stay, the dtype's own earlier points are replaced, and earlier_runs says where the
     kept points came from."""
-    lengths = {"short": {"prompt_tokens": 4, "max_tokens": 3}}
+    lengths = {"short": {"prompt_tokens": 4, "max_tokens": 3}, "long": {"prompt_tokens": 6, "max_tokens": 2}}
     common = dict(device="cpu", runs=1, batch_sizes=[2], lengths=lengths, dtype_study=None, out_dir=tmp_path)
     profile = {**gpu.PROFILE, "dtype": "float32", "batch_size": 2, "steps": 2, "top": 3}
     first = gpu.run(
@@ -537,10 +571,10 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
         "float32": {"short": ["step3", "step4"]},
         "bfloat16": {"short": ["step4"]},
     }
-    assert [r["dtypes"] for r in second["earlier_runs"]] == [["float32"]]
+    assert [r["parts"] for r in second["earlier_runs"]] == [["float32 short"]]
     assert second["earlier_runs"][0]["machine"] == first["machine"]
     assert json.loads((tmp_path / "gpu-cpu.json").read_text()) == json.loads(json.dumps(second))
-    assert "float32: from an earlier run" in gpu.report(second)
+    assert "float32 short: from an earlier run" in gpu.report(second)
 
     # float32 again: its points replaced, nothing left from the first run
     third = gpu.run(
@@ -551,18 +585,33 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
         ("bfloat16", {"step4"}),
         ("float32", {"step4"}),
     ]
-    assert [r["dtypes"] for r in third["earlier_runs"]] == [["bfloat16"]]
+    assert [r["parts"] for r in third["earlier_runs"]] == [["bfloat16 short"]]
     assert third["earlier_runs"][0]["machine"] == second["machine"]
+
+    # one workload of float32 (--workload): float32's short points stay beside it
+    fourth = gpu.run(
+        [tiny_model], matrix={"float32": {"long": ("step3",)}}, profile=None, merge=True, **common
+    )
+    parts = [(p["dtype"], p["workload"]) for p in fourth["models"][tiny_model]["points"]]
+    assert parts == [("bfloat16", "short"), ("float32", "short"), ("float32", "long")]
+    assert fourth["workload"]["matrix"]["float32"] == {"short": ["step4"], "long": ["step3"]}
+    assert sorted(x for r in fourth["earlier_runs"] for x in r["parts"]) == [
+        "bfloat16 short",
+        "float32 short",
+    ]
 
 
 def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
     from benchmarks.__main__ import parse_args
 
     assert parse_args(["gpu", "--dtype", "float32", "--dtype", "bfloat16"]).dtypes == ["float32", "bfloat16"]
+    assert parse_args(["gpu", "--workload", "short"]).workloads == ["short"]
     bad = [
         ["kvcache", "--dtype", "float16"],
         ["gpu", "--dtype", "float64"],
         ["gpu", "--dtype", "float32", "--replot"],
+        ["static_batch", "--workload", "short"],
+        ["gpu", "--workload", "medium"],
         ["gpu", "--device", "tpu"],
         ["gpu", "--device", "meta"],
     ]

@@ -1,5 +1,6 @@
-"""Repo-wide rules of the repository (README.md): the layout, the step rule (engine code imports no other step; what a step
-does not change stays byte-identical), the cross-step chain of greedy outputs, and the README's commands."""
+"""Repo-wide rules of the repository (README.md): the layout, the step rule (engine code imports no other
+step; what a step does not change stays byte-identical), the cross-step chain of greedy outputs, and the
+README's commands."""
 
 from __future__ import annotations
 
@@ -64,7 +65,29 @@ UNCHANGED_FROM_PREVIOUS = {
         "kernels.py",
         "flash_decoding.py",
     ],
+    # step 7 changes the model runner and the engine's start-up (and the CLI's flags, the package's name):
+    # the rest of the engine and of the server
+    "step7_cuda_graphs": [
+        "sampling.py",
+        "sequence.py",
+        "llm.py",
+        "scheduler.py",
+        "block_manager.py",
+        "kv_cache.py",
+        "model.py",
+        "kernels.py",
+        "flash_decoding.py",
+        "async_engine.py",
+        "protocol.py",
+        "serving_engine.py",
+        "serving_completion.py",
+        "serving_chat.py",
+        "metrics.py",
+    ],
 }
+# Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
+# previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
+MECHANISM_TESTS = {"step7_cuda_graphs": "test_cuda_graphs.py"}
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
 CONCEPT_FILES = [
@@ -87,6 +110,7 @@ def test_layout():
         "step4_paged_continuous",
         "step5_flash_gpu",
         "step6_server",
+        "step7_cuda_graphs",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
@@ -105,7 +129,9 @@ def test_layout():
 def test_one_file_per_serving_concept(step):
     for name in CONCEPT_FILES:
         assert (step / name).is_file(), f"{step.name}/{name}"
-    if "engine.py" not in UNCHANGED_FROM_PREVIOUS.get(step.name, []):  # a new engine is tested anew
+    if step.name in MECHANISM_TESTS:  # tested against the previous step on every path the mechanism changes
+        assert (step / MECHANISM_TESTS[step.name]).is_file()
+    elif "engine.py" not in UNCHANGED_FROM_PREVIOUS.get(step.name, []):  # a new engine is tested anew
         assert (step / "test_generate.py").is_file() and (step / "test_sampling.py").is_file()
 
 

@@ -1,0 +1,26 @@
+"""Step 7: decode steps replayed from CUDA graphs over persistent input buffers, behind step 6's server."""
+
+from .api_server import build_app
+from .block_manager import BlockManager
+from .engine import LLMEngine
+from .kv_cache import PagedKVCache
+from .llm import LLM
+from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .scheduler import Scheduler, SchedulerStats
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
+
+__all__ = [
+    "LLM",
+    "BlockManager",
+    "CompletionOutput",
+    "LLMEngine",
+    "Logprob",
+    "PagedKVCache",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerStats",
+    "build_app",
+]
