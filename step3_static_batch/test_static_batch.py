@@ -1,7 +1,7 @@
 """Step 3 tests: a request's output does not depend on the batch it runs in.
 
-Parity tiers (README.md, "How correctness is checked"): each request's greedy ids in a batch equal its solo step 2 run and HF
-``generate`` with left padding and an attention mask; seeded sampling is batch-independent.
+Parity tiers (README.md, "How correctness is checked"): each request's greedy ids in a batch equal its solo
+step 2 run and HF ``generate`` with left padding and an attention mask; seeded sampling is batch-independent.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from transformers import GPT2LMHeadModel
 
 import step2_kvcache
 
+from .config import EngineArgs
 from .llm import LLM
 from .model import GPT, padding_mask
 from .sampling import SamplingParams
@@ -205,10 +206,14 @@ def test_batches_form_in_arrival_order(llm, monkeypatch):
     assert sizes == [ids[0:3], ids[3:6], ids[6:7]]
 
 
-def test_bad_max_batch_size():
-    for bad in (0, -1, 2.5):
-        with pytest.raises(ValueError, match="max_batch_size"):
-            LLM(max_batch_size=bad)
+def test_bad_max_batch_size(tmp_path):
+    """Refused by EngineArgs with its message, before the model is looked for (here there is none)."""
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError) as error:
+            EngineArgs(model=str(tmp_path / "nothing-here"), max_batch_size=bad)
+        assert str(error.value) == f"max_batch_size={bad!r}: must be an integer >= 1"
+    with pytest.raises(ValueError, match="max_batch_size=0"):
+        LLM(max_batch_size=0)
 
 
 def test_cli_several_prompts_and_file(llm, tmp_path):

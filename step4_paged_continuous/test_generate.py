@@ -1,8 +1,8 @@
 """Generation tests, kept in every step from step 1 on: the API, sampling, stopping rules, bad input.
 
-Parity tiers (README.md, "How correctness is checked"): greedy ids equal HF ``generate(do_sample=False)`` on the demo checkpoint; the
-logits used at every step equal step 0's forward pass on the same prefix, within float32 tolerance
-(|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defaults).
+Parity tiers (README.md, "How correctness is checked"): greedy ids equal HF ``generate(do_sample=False)``
+on the demo checkpoint; the logits used at every step equal step 0's forward pass on the same prefix,
+within float32 tolerance (|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defaults).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from transformers import GPT2LMHeadModel
 from step0_model import GPT as Step0GPT
 
 from . import model_runner
+from .config import EngineArgs
 from .llm import LLM
 from .sampling import Logprob, RequestOutputKind, SamplingParams, sample
 from .sequence import CompletionOutput, RequestOutput
@@ -321,17 +322,42 @@ def test_lenient_and_strict_input_forms(llm):
 
 
 def test_bad_model_device_dtype(tmp_path):
-    for device in ("meta", "mps", None, "cuda:abc", ""):
-        with pytest.raises(ValueError, match="device"):
-            LLM(device=device)
-    with pytest.raises(ValueError, match="dtype"):
-        LLM(dtype="float8")
-    with pytest.raises(ValueError, match="device"):
+    """EngineArgs refuses a bad device or dtype with its message before it looks for the model (here there
+    is none), and LLM raises what EngineArgs raises."""
+    nowhere = str(tmp_path / "nothing-here")
+    not_a_name = "not a device name (e.g. 'cpu', 'cuda', 'cuda:1')"
+    for device, message in (
+        ("meta", "the engines run on 'cpu' or 'cuda' only"),
+        ("mps", "the engines run on 'cpu' or 'cuda' only"),
+        (None, not_a_name),
+        ("cuda:abc", not_a_name),
+        ("", not_a_name),
+        ("toaster", not_a_name),
+    ):
+        with pytest.raises(ValueError) as error:
+            EngineArgs(model=nowhere, device=device)
+        assert str(error.value) == f"device={device!r}: {message}"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError) as error:
+            EngineArgs(model=nowhere, device="cuda")
+        assert str(error.value) == "device='cuda': CUDA is not available on this machine"
+    for make in (EngineArgs, LLM):
+        with pytest.raises(ValueError) as error:
+            make(model=nowhere, dtype="float8")
+        assert str(error.value) == "dtype='float8': must be one of ['bfloat16', 'float16', 'float32']"
+    with pytest.raises(ValueError, match="device='toaster'"):
         LLM(device="toaster")
     with pytest.raises(ValueError, match="no such folder"):
-        LLM(model=str(tmp_path / "nothing-here"))
+        LLM(model=nowhere)
     with pytest.raises(ValueError, match="lacks"):
         LLM(model=str(tmp_path))
+
+
+def test_engine_args_resolve_what_the_parts_are_built_from(demo_snapshot):
+    args = EngineArgs(model=str(demo_snapshot), dtype="bfloat16")
+    assert args.folder == demo_snapshot and args.hf_config.n_positions == 512
+    assert args.torch_device == torch.device("cpu") and args.torch_dtype is torch.bfloat16
+    assert args.max_model_len == 512  # the context window
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

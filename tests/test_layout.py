@@ -1,5 +1,6 @@
-"""Repo-wide rules of the repository (README.md): the layout, the step rule (engine code imports no other step; what a step
-does not change stays byte-identical), the cross-step chain of greedy outputs, and the README's commands."""
+"""Repo-wide rules of the repository (README.md): the layout, the step rule (engine code imports no other
+step; what a step does not change stays byte-identical), the cross-step chain of greedy outputs, and the
+README's commands."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ GENERATING_STEPS = [s for s in STEPS if s.name != "step0_model"]
 UNCHANGED_FROM_PREVIOUS = {
     "step1_generate": ["model.py"],
     "step2_kvcache": [
+        "config.py",
         "sampling.py",
         "sequence.py",
         "llm.py",
@@ -61,6 +63,7 @@ UNCHANGED_FROM_PREVIOUS = {
         "model.py",
         "model_runner.py",
         "engine.py",
+        "config.py",
         "kernels.py",
         "flash_decoding.py",
     ],
@@ -73,6 +76,7 @@ CONCEPT_FILES = [
     "model.py",
     "model_runner.py",
     "engine.py",
+    "config.py",
     "llm.py",
     "__main__.py",
 ]
