@@ -1,7 +1,7 @@
 """Step 0 tests: our forward pass gives Hugging Face's logits, and loads every checkpoint layout.
 
-Parity tier (README.md, "How correctness is checked"): fp32 logits vs HF ``GPT2LMHeadModel`` on the same snapshot, max abs diff <= 1e-4,
-on prompts of length 1, a few tokens, and the full context window.
+Parity tier (README.md, "How correctness is checked"): fp32 logits vs HF ``GPT2LMHeadModel`` on the same
+snapshot, max abs diff <= 1e-4, on prompts of length 1, a few tokens, and the full context window.
 """
 
 from __future__ import annotations
