@@ -18,7 +18,7 @@ from common.weights import resolve_model
 
 from .model import GPT
 from .model_runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput, Sequence
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

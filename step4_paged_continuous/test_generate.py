@@ -1,8 +1,8 @@
 """Generation tests, kept in every step from step 1 on: the API, sampling, stopping rules, bad input.
 
-Parity tiers (README.md, "How correctness is checked"): greedy ids equal HF ``generate(do_sample=False)`` on the demo checkpoint; the
-logits used at every step equal step 0's forward pass on the same prefix, within float32 tolerance
-(|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defaults).
+Parity tiers (README.md, "How correctness is checked"): greedy ids equal HF ``generate(do_sample=False)``
+on the demo checkpoint; the logits used at every step equal step 0's forward pass on the same prefix,
+within float32 tolerance (|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defaults).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from step0_model import GPT as Step0GPT
 
 from . import model_runner
 from .llm import LLM
-from .sampling import Logprob, RequestOutputKind, SamplingParams, sample
+from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 from .sequence import CompletionOutput, RequestOutput
 
 PROMPTS = [
@@ -87,12 +87,14 @@ def test_step_logits_equal_step0_forward(llm, demo_snapshot, monkeypatch):
     """Every logits row that reaches the sampler equals step 0's forward pass over the same prefix."""
     seen = []
 
-    def recording_sample(logits, params, generators, prompt_token_ids, output_token_ids):
-        for row, prompt, output in zip(logits, prompt_token_ids, output_token_ids):
-            seen.append((row.clone(), prompt + output))
-        return sample(logits, params, generators, prompt_token_ids, output_token_ids)
+    sample = model_runner.ModelRunner.sample
 
-    monkeypatch.setattr(model_runner, "sample", recording_sample)
+    def recording_sample(self, seqs, logits):
+        for row, seq in zip(logits, seqs):
+            seen.append((row.clone(), seq.prompt_token_ids + seq.output_token_ids))
+        return sample(self, seqs, logits)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "sample", recording_sample)
     llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.9, seed=0))
     step0 = Step0GPT.from_pretrained(str(demo_snapshot))
     assert len(seen) == 12

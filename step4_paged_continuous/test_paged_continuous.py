@@ -24,7 +24,7 @@ from .block_manager import BlockManager
 from .engine import LLMEngine
 from .kv_cache import PagedKVCache
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestMetrics
 

@@ -23,7 +23,7 @@ from .block_manager import BlockManager, blocks_for
 from .kv_cache import PagedKVCache
 from .model import GPT, kernels
 from .model_runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import RequestOutput, Sequence
 

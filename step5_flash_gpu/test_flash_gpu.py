@@ -20,7 +20,7 @@ import step4_paged_continuous
 from .engine import LLMEngine, choose_attention_backend
 from .kernels import triton_usable
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 PROMPTS = [
     "The Python interpreter",

@@ -68,7 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import LLMEngine
-from .sampling import RequestOutputKind, SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .sequence import RequestOutput
 
 STATIC = Path(__file__).parent / "static"

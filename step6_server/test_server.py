@@ -38,7 +38,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from .engine import LLMEngine
 from .llm import LLM
-from .sampling import Logprob, SamplingParams
+from .sampling_params import Logprob, SamplingParams
 from .server import (
     CHAT_STOP,
     ChatMessage,

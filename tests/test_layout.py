@@ -1,5 +1,6 @@
-"""Repo-wide rules of the repository (README.md): the layout, the step rule (engine code imports no other step; what a step
-does not change stays byte-identical), the cross-step chain of greedy outputs, and the README's commands."""
+"""Repo-wide rules of the repository (README.md): the layout, the step rule (engine code imports no other
+step; what a step does not change stays byte-identical), the cross-step chain of greedy outputs, and the
+README's commands."""
 
 from __future__ import annotations
 
@@ -25,23 +26,27 @@ GENERATING_STEPS = [s for s in STEPS if s.name != "step0_model"]
 UNCHANGED_FROM_PREVIOUS = {
     "step1_generate": ["model.py"],
     "step2_kvcache": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "__main__.py",
         "test_generate.py",
         "test_sampling.py",
     ],
-    "step3_static_batch": ["sampling.py", "sequence.py", "llm.py", "test_generate.py", "test_sampling.py"],
+    # the batched sampler arrives with batches: sampler.py and its tests change here, then stay
+    "step3_static_batch": ["sampling_params.py", "sequence.py", "llm.py", "test_generate.py"],
     "step4_paged_continuous": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "test_generate.py",
         "test_sampling.py",
     ],
     "step5_flash_gpu": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "scheduler.py",
@@ -52,7 +57,8 @@ UNCHANGED_FROM_PREVIOUS = {
     ],
     # the server changes no engine file: step 6 is step 5's engine behind HTTP
     "step6_server": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "scheduler.py",
@@ -67,7 +73,8 @@ UNCHANGED_FROM_PREVIOUS = {
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
 CONCEPT_FILES = [
-    "sampling.py",
+    "sampling_params.py",
+    "sampler.py",
     "sequence.py",
     "model.py",
     "model_runner.py",
