@@ -16,7 +16,7 @@ from common.tokenizer import Tokenizer
 from .config import EngineArgs
 from .model import GPT
 from .model_runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput, Sequence
 
 

@@ -15,7 +15,7 @@ import sys
 
 from .config import DTYPES
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -17,7 +17,7 @@ import step1_generate
 from .kv_cache import KVCache
 from .llm import LLM
 from .model import GPT
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 PROMPTS = [
     "x",

@@ -21,7 +21,7 @@ from .config import EngineArgs
 from .kv_cache import PagedKVCache
 from .model import GPT
 from .model_runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import RequestOutput, Sequence
 

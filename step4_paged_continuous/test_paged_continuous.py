@@ -27,7 +27,7 @@ from .engine import LLMEngine
 from .kv_cache import PagedKVCache
 from .llm import LLM
 from .model import GPT
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestMetrics
 

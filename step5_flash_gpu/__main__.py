@@ -19,7 +19,7 @@ import time
 
 from .config import DTYPES
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class ArgumentParser(argparse.ArgumentParser):

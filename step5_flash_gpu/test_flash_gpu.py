@@ -21,7 +21,7 @@ from .config import EngineArgs, choose_attention_backend
 from .engine import LLMEngine
 from .kernels import triton_usable
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 PROMPTS = [
     "The Python interpreter",

@@ -19,7 +19,7 @@ from step0_model import GPT as Step0GPT
 from . import model_runner
 from .config import EngineArgs
 from .llm import LLM
-from .sampling import Logprob, RequestOutputKind, SamplingParams, sample
+from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 from .sequence import CompletionOutput, RequestOutput
 
 PROMPTS = [
@@ -88,12 +88,14 @@ def test_step_logits_equal_step0_forward(llm, demo_snapshot, monkeypatch):
     """Every logits row that reaches the sampler equals step 0's forward pass over the same prefix."""
     seen = []
 
-    def recording_sample(logits, params, generators, prompt_token_ids, output_token_ids):
-        for row, prompt, output in zip(logits, prompt_token_ids, output_token_ids):
-            seen.append((row.clone(), prompt + output))
-        return sample(logits, params, generators, prompt_token_ids, output_token_ids)
+    sample = model_runner.ModelRunner.sample
 
-    monkeypatch.setattr(model_runner, "sample", recording_sample)
+    def recording_sample(self, seqs, logits):
+        for row, seq in zip(logits, seqs):
+            seen.append((row.clone(), seq.prompt_token_ids + seq.output_token_ids))
+        return sample(self, seqs, logits)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "sample", recording_sample)
     llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.9, seed=0))
     step0 = Step0GPT.from_pretrained(str(demo_snapshot))
     assert len(seen) == 12

@@ -41,7 +41,7 @@ from .api_server import build_app
 from .engine import LLMEngine
 from .llm import LLM
 from .protocol import ChatMessage, chat_logprobs, completion_logprobs
-from .sampling import Logprob, SamplingParams
+from .sampling_params import Logprob, SamplingParams
 from .serving_chat import CHAT_STOP, render_chat
 
 PROMPTS = [

@@ -27,23 +27,27 @@ UNCHANGED_FROM_PREVIOUS = {
     "step1_generate": ["model.py"],
     "step2_kvcache": [
         "config.py",
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "__main__.py",
         "test_generate.py",
         "test_sampling.py",
     ],
-    "step3_static_batch": ["sampling.py", "sequence.py", "llm.py", "test_generate.py", "test_sampling.py"],
+    # the batched sampler arrives with batches: sampler.py and its tests change here, then stay
+    "step3_static_batch": ["sampling_params.py", "sequence.py", "llm.py", "test_generate.py"],
     "step4_paged_continuous": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "test_generate.py",
         "test_sampling.py",
     ],
     "step5_flash_gpu": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "scheduler.py",
@@ -54,7 +58,8 @@ UNCHANGED_FROM_PREVIOUS = {
     ],
     # the server changes no engine file: step 6 is step 5's engine behind HTTP
     "step6_server": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "scheduler.py",
@@ -71,7 +76,8 @@ UNCHANGED_FROM_PREVIOUS = {
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
 CONCEPT_FILES = [
-    "sampling.py",
+    "sampling_params.py",
+    "sampler.py",
     "sequence.py",
     "model.py",
     "model_runner.py",
