@@ -3,8 +3,6 @@ ConnectionErrors. The Hub is never contacted: its client is replaced by fakes.""
 
 from __future__ import annotations
 
-import time
-
 import huggingface_hub
 import pytest
 import torch
@@ -57,18 +55,17 @@ def fake_hub(monkeypatch):
 
 
 def test_alias_maps_to_openai_repo_and_offline_fails_fast(fake_hub, monkeypatch):
-    asked = {}
+    """Offline, the lookup fails fast: one try (no retries), bounded by HUB_TIMEOUT_S (at most 5 s)."""
+    asked = []
 
     def model_info(self, repo_id, timeout=None):
-        asked.update(repo_id=repo_id, timeout=timeout)
+        asked.append(dict(repo_id=repo_id, timeout=timeout))
         raise OSError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
-    start = time.perf_counter()
     with pytest.raises(ConnectionError) as err:
         resolve_model("gpt2")
-    assert time.perf_counter() - start < 5
-    assert asked == {"repo_id": "openai-community/gpt2", "timeout": weights.HUB_TIMEOUT_S}
+    assert asked == [{"repo_id": "openai-community/gpt2", "timeout": weights.HUB_TIMEOUT_S}]
     assert weights.HUB_TIMEOUT_S <= 5
     message = str(err.value)
     assert (
@@ -155,7 +152,8 @@ def test_invalid_hub_id_is_a_value_error(fake_hub):
 
 
 def saved_tensors(snapshot) -> dict:
-    """The tensors of a snapshot written by GPT2LMHeadModel.save_pretrained: ``transformer.``-prefixed, no lm_head."""
+    """The tensors of a snapshot written by GPT2LMHeadModel.save_pretrained: ``transformer.``-prefixed,
+    no lm_head."""
     from safetensors.torch import load_file
 
     tensors = load_file(snapshot / "model.safetensors")
@@ -168,7 +166,8 @@ def bare(tensors: dict) -> dict:
 
 
 def causal_mask_buffers(tensors: dict) -> dict:
-    """The ``h.N.attn.bias`` buffers (a [1, 1, T, T] lower-triangular mask) that OpenAI's GPT-2 on the Hub carries."""
+    """The ``h.N.attn.bias`` buffers (a [1, 1, T, T] lower-triangular mask) that OpenAI's GPT-2 on the Hub
+    carries."""
     n_layer = 1 + max(int(name.split(".")[1]) for name in bare(tensors) if name.startswith("h."))
     T = bare(tensors)["wpe.weight"].shape[0]
     return {f"h.{i}.attn.bias": torch.tril(torch.ones(T, T)).view(1, 1, T, T) for i in range(n_layer)}
@@ -199,7 +198,8 @@ TIED_LAYOUTS = {
 
 def write_checkpoint(src, folder, tensors: dict, shards: int = 1):
     """``folder``: src's config and tokenizer, and ``tensors`` as model.safetensors or as ``shards`` shards
-    with a model.safetensors.index.json (the LM head, if any, in the last shard, the embedding in the first)."""
+    with a model.safetensors.index.json (the LM head, if any, in the last shard, the embedding in the
+    first)."""
     import json
     import shutil
 
@@ -260,7 +260,8 @@ def untied(tiny_snapshot, folder, prefix: str):
 
 @pytest.mark.parametrize("prefix", ["transformer.", ""])
 def test_untied_lm_head_is_a_value_error(tiny_snapshot, tmp_path, prefix):
-    """An lm_head.weight that differs from wte.weight is a separate output matrix, which this GPT-2 cannot hold."""
+    """An lm_head.weight that differs from wte.weight is a separate output matrix, which this GPT-2 cannot
+    hold."""
     from step0_model import GPT
 
     folder = untied(tiny_snapshot, tmp_path / "untied", prefix)
