@@ -90,7 +90,8 @@ def make_batch(cases, n_head, head_dim, block_size, dtype, device, seed=0, spare
 
 
 def mixed_cases(bs: int) -> list[tuple[int, int]]:
-    """(query_len, seq_len): prefills from scratch and after cached context, decodes, around block boundaries."""
+    """(query_len, seq_len): prefills from scratch and after cached context, decodes, around block
+    boundaries."""
     return [
         (1, 1),  # a one-token prompt
         (bs - 1, bs - 1),
@@ -127,7 +128,8 @@ def test_mixed_batch_matches_reference(device, head_dim, block_size, dtype):
 
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 64), (32, 16), (64, 32)])
 def test_tile_sizes(device, block_m, block_n):
-    """Query tiles shorter than a prompt (several tiles per sequence), key tiles smaller and larger than a block."""
+    """Query tiles shorter than a prompt (several tiles per sequence), key tiles smaller and larger than a
+    block."""
     batch = make_batch(mixed_cases(16) + [(40, 40)], 2, 80, 16, torch.float32, device, seed=1)
     check(batch, 1e-4, block_m=block_m, block_n=block_n, num_splits=1)
 
@@ -137,15 +139,16 @@ def test_tile_sizes(device, block_m, block_n):
     [(torch.float32, n) for n in (None, 1, 2, 3, 8)] + [(torch.float16, 1), (torch.float16, 3)],
 )
 def test_decode_paths(device, dtype, num_splits):
-    """All-decode batches: the plain kernel (1), flash-decoding (k > 1, some splits empty), the automatic choice."""
+    """All-decode batches: the plain kernel (1), flash-decoding (k > 1, some splits empty), the automatic
+    choice."""
     cases = [(1, L) for L in (1, 15, 16, 17, 83)]
     batch = make_batch(cases, 2, 48, 16, dtype, device, seed=2)
     check(batch, TOL[dtype], num_splits=num_splits, block_n=16)
 
 
 def test_choose_num_splits():
-    """Split only all-decode batches that leave SMs idle (132 assumed on CPU), and only contexts of 2,048 tokens
-    and more (the H200's measurements: below that the plain kernel was faster)."""
+    """Split only all-decode batches that leave SMs idle (132 assumed on CPU), and only contexts of 2,048
+    tokens and more (the H200's measurements: below that the plain kernel was faster)."""
     cpu = torch.device("cpu")
     assert choose_num_splits(1, 12, 1, 4096, cpu) == 16
     assert choose_num_splits(8, 12, 1, 4096, cpu) == 16  # measured fastest there: 55 us, 2 splits 119 us
@@ -166,8 +169,8 @@ def test_choose_num_splits():
 
 
 def test_strided_inputs(device):
-    """q as a view into a fused [N, 3, H, D] projection, a pool viewed with its own strides (stride() is used),
-    and int64 block tables, lengths and offsets."""
+    """q as a view into a fused [N, 3, H, D] projection, a pool viewed with its own strides (stride() is
+    used), and int64 block tables, lengths and offsets."""
     batch = make_batch(mixed_cases(8), 2, 64, 8, torch.float32, device, seed=3)
     for name in ("block_tables", "seq_lens", "query_start_loc"):
         batch[name] = batch[name].long()
@@ -247,7 +250,8 @@ def test_interpreter_switch_on():
         )
         for name, (pre, e) in runs.items()
     }
-    results = {name: p.communicate(timeout=120) + (p.returncode,) for name, p in procs.items()}
+    # timeout: a safety net against a hang, not a measure (three processes at once on a loaded machine)
+    results = {name: p.communicate(timeout=600) + (p.returncode,) for name, p in procs.items()}
     for name in ("kernels first", "triton first, variable set"):
         out, err, rc = results[name]
         assert rc == 0 and float(out.split()[-1]) < 1e-5, f"{name}: {err}"
@@ -259,7 +263,8 @@ def test_interpreter_switch_on():
     torch.cuda.is_available() or triton_usable("cpu"), reason="the small cases ran in this process"
 )
 def test_small_cases_in_fresh_process():
-    """Another test module imported triton before the interpreter was switched on: rerun this file's small cases."""
+    """Another test module imported triton before the interpreter was switched on: rerun this file's small
+    cases."""
     cmd = [
         sys.executable,
         "-m",
@@ -285,7 +290,8 @@ def test_small_cases_in_fresh_process():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gpu_mixed_batch_real_sizes(dtype):
-    """256 sequences: 16 prefills (some after cached context, up to 1100 tokens) and 240 decodes up to 1100."""
+    """256 sequences: 16 prefills (some after cached context, up to 1100 tokens) and 240 decodes up to
+    1100."""
     g = torch.Generator().manual_seed(5)
     cases = []
     for i in range(16):

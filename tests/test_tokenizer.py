@@ -114,8 +114,9 @@ def test_broken_tokenizer_files_are_value_errors(demo_snapshot, tmp_path):
             Tokenizer(folder)
 
 
-# Padded and extended vocabularies (issue 9). Hugging Face's tokenizer on the same folder is the oracle: an id
-# the tokenizer lacks decodes to "", an added token is encoded and decoded by its text, whichever file adds it.
+# Padded and extended vocabularies (issue 9). Hugging Face's tokenizer on the same folder is the oracle: an
+# id the tokenizer lacks decodes to "", an added token is encoded and decoded by its text, whichever file
+# adds it.
 
 ADDED_TOKEN_LAYOUTS = {
     # transformers < 4.34: added_tokens.json gives the ids, special_tokens_map.json says which are special
@@ -233,7 +234,8 @@ def test_added_tokens_as_hf(tmp_path, layout):
 
 
 def test_additional_special_tokens_are_special(tmp_path):
-    """special_tokens_map.json's additional_special_tokens are special tokens (HF lists them in all_special_ids)."""
+    """special_tokens_map.json's additional_special_tokens are special tokens (HF lists them in
+    all_special_ids)."""
     folder = write_tokenizer_folder(tmp_path / "tokenizer", ADDED_TOKEN_LAYOUTS["added_tokens.json"])
     ours = Tokenizer(folder)
     assert ours.special_token_ids == {8191, 8192, 8193}  # <|endoftext|>, <|pad|>, <|user|>; not <think>
@@ -247,7 +249,8 @@ def test_no_added_tokens(demo_tokenizers):
 
 
 def test_ids_the_tokenizer_lacks_decode_to_nothing(demo_tokenizers):
-    """A model with a padded embedding can sample an id that vocab.json does not name: it shows as "", as in HF."""
+    """A model with a padded embedding can sample an id that vocab.json does not name: it shows as "", as in
+    HF."""
     ours, hf = demo_tokenizers
     ids = [39, 8196, 526, 8191, 8255, 425, 10**6]
     assert ours.decode(ids) == hf.decode(ids) == "Hel<|endoftext|>lo"
@@ -281,7 +284,8 @@ GENERATING_STEPS = sorted(
 
 
 def completion(output):
-    """The completion of one ``RequestOutput``: ``output.outputs[0]`` in vLLM's shape, else the output itself."""
+    """The completion of one ``RequestOutput``: ``output.outputs[0]`` in vLLM's shape, else the output
+    itself."""
     return output.outputs[0] if hasattr(output, "outputs") else output
 
 
@@ -289,7 +293,8 @@ def completion(output):
 @pytest.mark.parametrize("added_tokens", [False, True], ids=["unnamed", "added"])
 def test_generation_emitting_ids_beyond_the_tokenizer(padded_vocab_snapshot, tmp_path, step, added_tokens):
     """vocab_size=8256 over an 8192-token vocab.json: sampling such an id used to raise KeyError in the
-    detokenizer. Now it shows as "" or, if added_tokens.json names it, as its text; both as HF decodes them."""
+    detokenizer. Now it shows as "" or, if added_tokens.json names it, as its text; both as HF decodes
+    them."""
     import importlib
     import shutil
 
@@ -375,7 +380,7 @@ def test_a_prompt_with_an_added_token_the_model_lacks_is_refused(demo_snapshot, 
         [sys.executable, "-m", step, "<|user|> hello", "--model", str(folder)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a safety net against a hang, not a measure: a loaded machine can take minutes
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
