@@ -140,8 +140,8 @@ def test_bad_checkpoints_raise_value_error(tiny_snapshot, tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120
+    return subprocess.run(  # timeout: a safety net against a hang, not a measure (a loaded machine is slow)
+        [sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=600
     )
 
 

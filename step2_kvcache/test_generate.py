@@ -7,8 +7,11 @@ within float32 tolerance (|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defau
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,10 +365,78 @@ def test_engine_args_resolve_what_the_parts_are_built_from(demo_snapshot):
     assert args.max_model_len == 512  # the context window
 
 
+# A safety net against a hung process, never a measure of speed: on a loaded machine, starting Python,
+# importing torch and loading the model can take minutes.
+CLI_TIMEOUT_S = 600
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", __package__, *args],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env=env,
     )
+
+
+def env_running_first(folder: Path, code: str) -> dict:
+    """The environment of a child Python that runs ``code`` before anything else (a sitecustomize.py put
+    in ``folder``, which goes first on PYTHONPATH)."""
+    (folder / "sitecustomize.py").write_text(code)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+# Any use of the network ends the child at once, with status 97 and a line on stderr (an audit hook).
+NO_NETWORK = """
+import os, sys
+
+def refuse(event, args):
+    if event in ("socket.getaddrinfo", "socket.gethostbyname", "socket.connect"):
+        os.write(2, f"network used: {event} {args!r}\\n".encode())
+        os._exit(97)
+
+sys.addaudithook(refuse)
+"""
+
+# The child's stdout takes the prompt and the first generated text; its next write waits until the test
+# closes the child's stdin (as output to a terminal that stopped reading waits). The CLI is then still
+# generating when the test acts (Ctrl-C, a closed pipe), however a loaded machine schedules the two.
+HOLD_OUTPUT = """
+import sys
+
+class HeldOutput:
+    def __init__(self, stream):
+        self.stream, self.texts = stream, 0
+
+    def write(self, text):
+        self.texts += bool(text)
+        if self.texts == 3:  # the prompt, the first generated text, then this one
+            sys.stdin.read()  # until EOF
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+sys.stdout = HeldOutput(sys.stdout)
+"""
+
+
+def start_held_cli(folder: Path, *args: str) -> tuple[subprocess.Popen, threading.Timer]:
+    """The CLI in a child process whose output holds (``HOLD_OUTPUT``), and a started watchdog that kills
+    it after CLI_TIMEOUT_S (a safety net: a hung CLI fails its test, not the whole run; cancel it after)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", __package__, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_running_first(folder, HOLD_OUTPUT),
+    )
+    watchdog = threading.Timer(CLI_TIMEOUT_S, proc.kill)
+    watchdog.start()
+    return proc, watchdog
 
 
 def test_cli_streams_text_then_summary(llm):
@@ -401,15 +472,12 @@ def test_cli_bad_input_is_one_line_and_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("error: ")
 
 
-def test_cli_hub_model_offline_fails_fast_with_one_line():
-    """HF_HUB_OFFLINE=1 makes huggingface_hub refuse the network: the message says the Hub is unreachable."""
-    import os
-    import time
-
-    start = time.perf_counter()
-    result = run_cli("hi", "--model", "nobody/no-such-model-here", env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert time.perf_counter() - start < 30  # interpreter start-up included; the lookup itself fails at once
-    assert result.returncode == 2
+def test_cli_hub_model_offline_fails_fast_with_one_line(tmp_path):
+    """HF_HUB_OFFLINE=1 makes huggingface_hub refuse the network: the message says the Hub is unreachable.
+    It fails at once: nothing even looks a host up (no connection, no retry to wait for)."""
+    env = {**env_running_first(tmp_path, NO_NETWORK), "HF_HUB_OFFLINE": "1"}
+    result = run_cli("hi", "--model", "nobody/no-such-model-here", env=env)
+    assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not be reached" in lines[0] and "local folder" in lines[0]
 
@@ -500,22 +568,20 @@ def test_logprobs_of_greedy_tokens_equal_log_softmax_of_hf_logits(llm, hf_demo):
             assert lp.decoded_token == llm.tokenizer.decode([t])
 
 
-def test_cli_ctrl_c_ends_quietly_with_status_130():
+def test_cli_ctrl_c_ends_quietly_with_status_130(tmp_path):
+    """Ctrl-C while the CLI generates (its output held: it cannot finish first): status 130, no traceback."""
     import signal
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "400", "--ignore-eos"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    prompt = "The Python interpreter"
+    proc, watchdog = start_held_cli(tmp_path, prompt, "--max-tokens", "400", "--ignore-eos")
     try:
-        assert proc.stdout.read(len("The Python interpreter")) == "The Python interpreter"  # generating now
+        assert proc.stdout.read(len(prompt)) == prompt  # generating now
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)  # closes stdin: only now may the output go on
     finally:
+        watchdog.cancel()
         proc.kill()
-    assert proc.returncode == 130
+    assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
 
 
@@ -527,15 +593,16 @@ def test_cli_bad_option_is_one_line_and_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("error: ")
 
 
-def test_cli_output_into_a_closed_pipe_is_quiet():
-    """`python -m <step> ... | head -c 10`: the reader leaves early; no BrokenPipeError traceback."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "40"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    proc.stdout.read(5)
-    proc.stdout.close()  # the reader is gone
-    _, stderr = proc.communicate(timeout=120)
+def test_cli_output_into_a_closed_pipe_is_quiet(tmp_path):
+    """`python -m <step> ... | head -c 10`: the reader leaves early (the CLI's output held until then: it
+    has more to write); no BrokenPipeError traceback."""
+    proc, watchdog = start_held_cli(tmp_path, "The Python interpreter", "--max-tokens", "40", "--ignore-eos")
+    try:
+        assert proc.stdout.read(5) == "The P"
+        proc.stdout.close()  # the reader is gone
+        _, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)  # closes stdin: the output goes on, into it
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 1, stderr  # the CLI's status for a reader that went away
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr

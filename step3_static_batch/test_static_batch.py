@@ -293,7 +293,7 @@ def test_cli_several_prompts_and_file(llm, tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a safety net against a hang, not a measure: a loaded machine can take minutes
     )
     assert result.returncode == 0, result.stderr
     expected = llm.generate(
