@@ -8,6 +8,9 @@
   (the demo's 8192 tokens), tilted so that it emits an id the tokenizer lacks.
 - ``gpt2_snapshot``: OpenAI's GPT-2 124M, if a local copy exists (the folder named by the environment
   variable GPT2_SNAPSHOT, or the Hugging Face cache); tests that use it skip otherwise.
+
+Hypothesis runs with the profile "suite": no deadline and no too-slow health check (both measure wall
+time, which a loaded machine stretches).
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ if not torch.cuda.is_available():  # step 5's Triton kernels run through Triton'
     )  # switch is read when triton is first imported (transformers does)
 
 from common.weights import DEMO_CHECKPOINT
+
+try:  # property tests (step 4's scheduler): no time limit per example, the suite runs on loaded machines too
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("suite")
+except ImportError:  # hypothesis is needed only by the tests that import it
+    pass
 
 TINY_CONFIG = dict(n_positions=64, n_embd=32, n_layer=2, n_head=4)
 

@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
     if not args.replot:  # the device must exist before anything is measured (imported now: --help stays fast)
-        from step1_generate.engine import check_device  # every engine checks its device so
+        from step1_generate.config import check_device  # every engine checks its device so
 
         try:
             check_device(args.device)

@@ -2,7 +2,7 @@
 
 from .engine import LLMEngine
 from .llm import LLM
-from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = [

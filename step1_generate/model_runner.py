@@ -13,7 +13,8 @@ import torch
 from common.tokenizer import Tokenizer
 
 from .model import GPT
-from .sampling import Logprob, sample
+from .sampler import sample
+from .sampling_params import Logprob
 from .sequence import Sequence
 
 
@@ -27,11 +28,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs, if asked for)."""
+        """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs if asked)."""
         input_ids = self.prepare_inputs(seqs)
-        logits = self.model(input_ids, last_only=True)[
-            :, -1
-        ]  # [B, V], the scores of the token after the last one
+        # [B, V]: the scores of the token after the last one
+        logits = self.model(input_ids, last_only=True)[:, -1]
         return self.sample(seqs, logits)
 
     def prepare_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -50,13 +50,12 @@ class ModelRunner:
     def sample(
         self, seqs: list[Sequence], logits: torch.Tensor
     ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
-        out = sample(
-            logits,
-            [seq.params for seq in seqs],
-            [seq.generator for seq in seqs],
-            [seq.prompt_token_ids for seq in seqs],
-            [seq.output_token_ids for seq in seqs],
-        )
+        """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator:
+        the sampler takes one row at a time."""
+        token_ids, logprobs = [], []
         decode = lambda token_id: self.tokenizer.decode([token_id])  # noqa: E731
-        return out.token_ids, [row.as_dict(decode) if row is not None else None for row in out.logprobs]
+        for seq, row in zip(seqs, logits):
+            token_id, lp = sample(row, seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
+            token_ids.append(token_id)
+            logprobs.append(lp.as_dict(decode) if lp is not None else None)
+        return token_ids, logprobs

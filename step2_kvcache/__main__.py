@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 
-from .engine import DTYPES
+from .config import DTYPES
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         else "decode n/a"
     )
     print(
-        f"[{len(out.prompt_token_ids)} prompt tokens, {num_tokens} generated ({out.outputs[0].finish_reason}), "
-        f"TTFT {m.ttft_s * 1e3:.1f} ms, {decode}]",
+        f"[{len(out.prompt_token_ids)} prompt tokens, {num_tokens} generated "
+        f"({out.outputs[0].finish_reason}), TTFT {m.ttft_s * 1e3:.1f} ms, {decode}]",
         file=sys.stderr,
     )
     return 0

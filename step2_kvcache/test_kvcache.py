@@ -1,9 +1,9 @@
 """Step 2 tests: the KV cache changes the cost of generation, never its result.
 
-Parity tiers (README.md, "How correctness is checked"): greedy ids identical to step 1 and to HF ``generate(use_cache=True)``; the
-logits of every decode step equal step 1's full recompute within fp32 tolerance: |diff| <= 1e-5 + 1.3e-6
-|logit| (torch.testing's float32 defaults; the demo's logits reach |12|, where one float32 ulp is 1e-6,
-and the cached path sums in another order than the full one).
+Parity tiers (README.md, "How correctness is checked"): greedy ids identical to step 1 and to HF
+``generate(use_cache=True)``; the logits of every decode step equal step 1's full recompute within fp32
+tolerance: |diff| <= 1e-5 + 1.3e-6 |logit| (torch.testing's float32 defaults; the demo's logits reach
+|12|, where one float32 ulp is 1e-6, and the cached path sums in another order than the full one).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import step1_generate
 from .kv_cache import KVCache
 from .llm import LLM
 from .model import GPT
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 PROMPTS = [
     "x",
@@ -94,7 +94,8 @@ def test_greedy_ids_equal_hf_with_cache(llm, demo_snapshot):
 
 
 def test_decode_logits_equal_full_recompute(demo_snapshot):
-    """Each decode step's logits (one token through the cache) equal step 1's forward over the whole prefix."""
+    """Each decode step's logits (one token through the cache) equal step 1's forward over the whole
+    prefix."""
     model = GPT.from_pretrained(str(demo_snapshot))
     reference = step1_generate.model.GPT.from_pretrained(str(demo_snapshot))
     ids = torch.randint(model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
@@ -152,7 +153,8 @@ def test_writing_past_capacity_raises(tiny_snapshot):
 
 
 def test_cache_size_is_sized_per_request_and_follows_the_formula(llm, demo_snapshot, monkeypatch):
-    """The engine allocates prompt + max_tokens positions (capped at the window): 2 x L x H x D x 4 bytes each."""
+    """The engine allocates prompt + max_tokens positions (capped at the window): 2 x L x H x D x 4 bytes
+    each."""
     sizes = []
     real = KVCache.__init__
 

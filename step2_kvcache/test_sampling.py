@@ -1,10 +1,11 @@
-"""The batched sampler against the one-row reference, and SamplingParams' validation.
+"""The plain sampler of steps 1 and 2 against a one-row reference, row by row.
 
-``sample_one`` runs every stage the plain way on one row and draws with the same exponential race from
-the same generator, so a seeded row must give exactly the reference's id, alone or anywhere in any batch.
-Unseeded rows cannot be compared id by id: they are checked where the outcome is certain (greedy, top_k=1,
-a tiny top_p), by their processed distribution (the logprobs), and by their frequencies over many rows of
-one batch (Pearson's chi-square). The GPU test counts host syncs: one call may wait for the device once.
+``sample_one`` (below; step 3's tests check the batched sampler against the same code) runs every stage
+the plain way and draws with the same exponential race from the same generator, so a seeded request must
+give exactly the reference's id, whatever the other requests sampled before or after it draw. Unseeded
+requests cannot be compared id by id: they are checked where the outcome is certain (greedy, top_k=1, a
+tiny top_p), by their processed distribution (the logprobs), and by their frequencies over many draws
+(Pearson's chi-square). SamplingParams' validation is tested in ``test_sampling_params.py``.
 """
 
 from __future__ import annotations
@@ -16,19 +17,8 @@ import random
 import pytest
 import torch
 
-from .sampling import (
-    FLOAT32_MAX,
-    Logprob,
-    RequestOutputKind,
-    SamplingParams,
-    apply_repetition_penalty,
-    penalize_repetitions,
-    process_one,
-    sample,
-    sample_on_device,
-    sample_one,
-    to_host,
-)
+from .sampler import FLOAT32_MAX, FLOAT32_TINY, TokenLogprobs, process_logits, sample
+from .sampling_params import Logprob, SamplingParams, is_greedy
 
 V = 1000  # vocabulary of the random-logit tests
 
@@ -46,6 +36,85 @@ def random_history(rng: random.Random, vocab: int = V) -> tuple[list[int], list[
         for _ in range(rng.randrange(0, 20))
     ]
     return prompt, output
+
+
+# The reference: one row, written the plain way. Same stages, same formulas, same random numbers (the
+# exponential race from the same generator), so the batched sampler must give exactly its ids.
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_token_ids: list[int], penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty on one row of logits [V] for the tokens in ``seen_token_ids``."""
+    penalty = min(penalty, FLOAT32_MAX)  # a larger one is inf in float32, and 0 * inf = NaN
+    seen = torch.tensor(sorted(set(seen_token_ids)), device=logits.device, dtype=torch.long)  # [S]
+    scores = logits[seen]  # [S]
+    logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return logits.clamp_(-FLOAT32_MAX, FLOAT32_MAX)  # an extreme penalty overflows float32
+
+
+def process_one(
+    logits: torch.Tensor, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]
+) -> torch.Tensor:
+    """One row of logits [V] after the penalties and, unless greedy, the temperature and the filters:
+    [V] float32, removed tokens at -inf. Its log_softmax is what ``sample`` must report as logprobs."""
+    logits = logits.to(torch.float32, copy=True)  # [V]
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(
+            logits, prompt_token_ids + output_token_ids, params.repetition_penalty
+        )
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        output = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(output, minlength=logits.numel()).float()  # [V]
+        logits = logits - params.frequency_penalty * counts
+        logits = logits - params.presence_penalty * (counts > 0).float()
+    if is_greedy(params):
+        return logits
+    logits = (logits / params.temperature).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+    if params.top_k > 0:
+        kth_best = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits[logits < kth_best] = -math.inf
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(
+            torch.softmax(logits, dim=-1), descending=True, stable=True
+        )  # [V], [V]
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the better tokens
+        drop = mass_before >= params.top_p  # the token that crosses top_p is kept...
+        drop[0] = False  # ...and so is the best one, however small top_p is
+        logits[order[drop]] = -math.inf
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)  # [V]
+        logits[probs < params.min_p * probs.max()] = -math.inf
+    return logits
+
+
+def sample_one(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+) -> int:
+    """The next token id from one row of logits [V] (any float dtype; computed in float32): the reference
+    for ``sample``. generator: the request's own generator on the logits' device, or None (torch's default).
+    """
+    logits = process_one(logits, params, prompt_token_ids, output_token_ids)  # [V]
+    if is_greedy(params):
+        return int(logits.argmax())
+    probs = torch.softmax(logits, dim=-1)  # [V]
+    q = torch.empty_like(probs).exponential_(generator=generator)  # [V], Exp(1): the exponential race
+    return int((probs / q.clamp_(min=FLOAT32_TINY)).argmax())
+
+
+@dataclasses.dataclass
+class Rows:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def sample_rows(logits, params, generators, prompt_token_ids, output_token_ids) -> Rows:
+    """The plain sampler over the rows of ``logits`` [B, V], one call per row in row order (as the model
+    runner of steps 1 and 2 calls it): each row's token id and logprobs."""
+    rows = [sample(*args) for args in zip(logits, params, generators, prompt_token_ids, output_token_ids)]
+    return Rows([token_id for token_id, _ in rows], [logprobs for _, logprobs in rows])
 
 
 # Every kind of row in one batch. (seeded, unseeded-but-certain, and unseeded-random rows side by side)
@@ -82,7 +151,7 @@ CERTAIN = {10, 11}  # unseeded rows whose token is the argmax of the processed l
 
 
 @pytest.mark.parametrize("trial", range(3))
-def test_batch_equals_reference_row_by_row(trial):
+def test_every_row_equals_the_reference(trial):
     rng = random.Random(trial)
     torch.manual_seed(trial)
     B = len(MIXED)
@@ -91,7 +160,7 @@ def test_batch_equals_reference_row_by_row(trial):
     ref_gens = [generator(p.seed) for p in MIXED]
     for _ in range(3):  # several steps: the generators advance, the outputs grow
         logits = torch.randn(B, V) * 3
-        out = sample(logits, MIXED, batch_gens, [h[0] for h in histories], [h[1] for h in histories])
+        out = sample_rows(logits, MIXED, batch_gens, [h[0] for h in histories], [h[1] for h in histories])
         assert len(out.token_ids) == len(out.logprobs) == B
         for i, (p, (prompt, output)) in enumerate(zip(MIXED, histories)):
             expected = sample_one(logits[i], p, ref_gens[i], prompt, output)
@@ -118,7 +187,7 @@ def test_every_rows_processed_distribution_equals_the_reference():
     params = [dataclasses.replace(p, logprobs=5) for p in MIXED]
     histories = [random_history(rng) for _ in params]
     logits = torch.randn(len(params), V) * 3
-    out = sample(
+    out = sample_rows(
         logits,
         params,
         [generator(p.seed) for p in params],
@@ -133,7 +202,7 @@ def test_every_rows_processed_distribution_equals_the_reference():
         torch.testing.assert_close(torch.tensor([lp for _, lp in got]), top.values, atol=1e-5, rtol=0)
 
 
-def test_seeded_row_is_the_same_alone_and_anywhere_in_any_batch():
+def test_seeded_row_is_the_same_alone_and_among_other_requests():
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     others = [
         SamplingParams(temperature=0),
@@ -154,7 +223,7 @@ def test_seeded_row_is_the_same_alone_and_anywhere_in_any_batch():
             batch[position] = params
             row_gens = [own if p is params else generator(p.seed) for p in batch]
             empty = [[] for _ in range(batch_size)]
-            ids.append(sample(logits, batch, row_gens, empty, empty).token_ids[position])
+            ids.append(sample_rows(logits, batch, row_gens, empty, empty).token_ids[position])
         return ids
 
     alone = run(1, 0)
@@ -187,16 +256,17 @@ def chi_square_ok(observed: list[float], expected: list[float], n: int) -> bool:
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
-def test_frequencies_of_every_setting_in_one_batch(seeded):
-    """20000 rows per setting, all settings in one batch: each setting's frequencies match its distribution
-    (unseeded rows draw together from torch's generator; seeded rows each from their own)."""
+def test_frequencies_of_every_setting(seeded):
+    """5000 draws per setting (fewer than step 3's batched test: one call per row): each setting's
+    frequencies match its distribution (unseeded rows draw from torch's generator; seeded rows each from
+    their own)."""
     torch.manual_seed(0)
-    n = 20000
+    n = 5000
     params = [p for p, _ in DISTRIBUTIONS for _ in range(n)]
     gens = [generator(seed) if seeded else None for seed in range(len(params))]
     logits = torch.log(torch.tensor(P)).expand(len(params), -1)
     empty = [[]] * len(params)
-    ids = torch.tensor(sample(logits, params, gens, empty, empty).token_ids).view(len(DISTRIBUTIONS), n)
+    ids = torch.tensor(sample_rows(logits, params, gens, empty, empty).token_ids).view(len(DISTRIBUTIONS), n)
     for (p, expected), row in zip(DISTRIBUTIONS, ids):
         observed = (torch.bincount(row, minlength=len(P)).float() / n).tolist()
         assert chi_square_ok(observed, expected, n), (p, observed, expected)
@@ -208,10 +278,14 @@ def test_frequencies_of_every_setting_in_one_batch(seeded):
 def test_greedy_logprobs_are_the_log_softmax_of_the_logits():
     torch.manual_seed(0)
     logits = (torch.randn(4, V) * 4).to(torch.bfloat16)
-    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0, logprobs=0),
-              SamplingParams(temperature=0), SamplingParams(temperature=5e-6, top_k=2, logprobs=3)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=5e-6, top_k=2, logprobs=3),
+    ]
     empty = [[]] * 4
-    out = sample(logits, params, [None] * 4, empty, empty)
+    out = sample_rows(logits, params, [None] * 4, empty, empty)
     expected = torch.log_softmax(logits.float(), dim=-1)  # [4, V]: no temperature, no filters
     assert out.token_ids == expected.argmax(dim=-1).tolist()
     for i, n in [(0, 5), (1, 0), (3, 3)]:
@@ -227,7 +301,7 @@ def test_greedy_logprobs_are_the_log_softmax_of_the_logits():
             assert lp.top[0][0] == lp.token_id
     assert out.logprobs[2] is None
     # ties: the rank counts strictly better tokens only
-    out = sample(
+    out = sample_rows(
         torch.tensor([[1.0, 2.0, 2.0, 0.0]]), [SamplingParams(temperature=0, logprobs=3)], [None], [[]], [[]]
     )
     assert out.token_ids == [1] and out.logprobs[0].rank == 1
@@ -239,7 +313,7 @@ def test_filtered_tokens_have_minus_infinity_and_ranks_count_better_tokens():
     params = [SamplingParams(top_k=2, logprobs=5, seed=0), SamplingParams(top_p=0.3, logprobs=5, seed=1),
               SamplingParams(temperature=0.5, logprobs=5, seed=2)]  # fmt: skip
     empty = [[]] * 3
-    out = sample(logits, params, [generator(p.seed) for p in params], empty, empty)
+    out = sample_rows(logits, params, [generator(p.seed) for p in params], empty, empty)
     top_k = out.logprobs[0]
     kept = [lp for _, lp in top_k.top[:2]]
     assert all(math.isfinite(lp) for lp in kept) and sum(math.exp(lp) for lp in kept) == pytest.approx(
@@ -260,7 +334,7 @@ def test_top_k_minus_one_is_top_k_zero():
     results = []
     for off in (0, -1):
         params = [SamplingParams(top_k=off, seed=s, logprobs=2) for s in range(6)]
-        results.append(sample(logits, params, [generator(p.seed) for p in params], [[]] * 6, [[]] * 6))
+        results.append(sample_rows(logits, params, [generator(p.seed) for p in params], [[]] * 6, [[]] * 6))
     assert results[0] == results[1]
 
 
@@ -276,7 +350,7 @@ def test_presence_and_frequency_penalties_follow_openai():
         [1.0, 2.0 + 2.0 * 1 + 1.0, 0.5, 3.0 + 2.0 * 2 + 1.0, 2.5],
         [1.0, 2.0, 0.5, 3.0, 2.5],  # no penalty: untouched
     ]
-    out = sample(logits, params, [None] * 3, [prompt] * 3, [output] * 3)
+    out = sample_rows(logits, params, [None] * 3, [prompt] * 3, [output] * 3)
     for i, row in enumerate(expected):
         want = torch.log_softmax(torch.tensor(row), dim=-1)
         got = torch.full((5,), math.nan)
@@ -285,21 +359,22 @@ def test_presence_and_frequency_penalties_follow_openai():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
         assert out.token_ids[i] == int(torch.tensor(row).argmax())
         torch.testing.assert_close(process_one(logits[i], params[i], prompt, output), torch.tensor(row))
+        torch.testing.assert_close(process_logits(logits[i], params[i], prompt, output), torch.tensor(row))
 
 
-def test_repetition_penalty_follows_ctrl_on_its_row_only():
+def test_repetition_penalty_follows_ctrl():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
     assert apply_repetition_penalty(logits.clone(), [0, 1, 1], 2.0).tolist() == [1.0, -4.0, 1.0, -1.0]
-    batch = logits.repeat(3, 1)  # [3, 4]
-    penalize_repetitions(batch, [1], [[0, 1, 1]], [2.0])
-    assert batch.tolist() == [logits.tolist(), [1.0, -4.0, 1.0, -1.0], logits.tolist()]
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert process_logits(logits, params, [0, 1], [1]).tolist() == [1.0, -4.0, 1.0, -1.0]
+    assert logits.tolist() == [2.0, -2.0, 1.0, -1.0]  # the caller's row is left as it was
     # greedy with a strong penalty never repeats a token of the prompt; its neighbours keep the argmax
     params = [
         SamplingParams(temperature=0),
         SamplingParams(temperature=0, repetition_penalty=10.0),
         SamplingParams(temperature=0),
     ]
-    out = sample(torch.tensor([[5.0, 4.0, 0.0]] * 3), params, [None] * 3, [[0]] * 3, [[]] * 3)
+    out = sample_rows(torch.tensor([[5.0, 4.0, 0.0]] * 3), params, [None] * 3, [[0]] * 3, [[]] * 3)
     assert out.token_ids == [0, 1, 0]
 
 
@@ -311,19 +386,21 @@ def test_extreme_penalties_stay_finite(penalty):
     logits = torch.randn(5, V) * 50
     logits[:, :6] = torch.tensor([FLOAT32_MAX, -FLOAT32_MAX, 3e38, -3e38, 0.0, -0.0])
     seen = list(range(V))  # every token
-    params = [SamplingParams(temperature=0, repetition_penalty=penalty, logprobs=5),
-              SamplingParams(repetition_penalty=penalty, seed=0, logprobs=5),
-              SamplingParams(temperature=1e-5, repetition_penalty=penalty, top_p=0.9, seed=1, logprobs=5),
-              SamplingParams(repetition_penalty=penalty, min_p=0.5, frequency_penalty=2, seed=2, logprobs=5),
-              SamplingParams(repetition_penalty=penalty, top_k=3, presence_penalty=-2, seed=3, logprobs=5)]  # fmt: skip
-    out = sample(logits, params, [generator(p.seed) for p in params], [seen] * 5, [[1, 2]] * 5)
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=penalty, logprobs=5),
+        SamplingParams(repetition_penalty=penalty, seed=0, logprobs=5),
+        SamplingParams(temperature=1e-5, repetition_penalty=penalty, top_p=0.9, seed=1, logprobs=5),
+        SamplingParams(repetition_penalty=penalty, min_p=0.5, frequency_penalty=2, seed=2, logprobs=5),
+        SamplingParams(repetition_penalty=penalty, top_k=3, presence_penalty=-2, seed=3, logprobs=5),
+    ]
+    out = sample_rows(logits, params, [generator(p.seed) for p in params], [seen] * 5, [[1, 2]] * 5)
     for i, p in enumerate(params):
         lp = out.logprobs[i]
         assert 0 <= out.token_ids[i] < V and not math.isnan(lp.logprob) and lp.logprob > -math.inf
         assert not any(math.isnan(v) for _, v in lp.top)
         assert out.token_ids[i] == sample_one(logits[i], p, generator(p.seed), seen, [1, 2])
     # every logit pushed to -FLOAT32_MAX: a uniform distribution, not NaN
-    out = sample(
+    out = sample_rows(
         -torch.rand(1, V) - 1, [SamplingParams(repetition_penalty=1e300, logprobs=0)], [None], [seen], [[]]
     )
     assert out.logprobs[0].logprob == pytest.approx(-math.log(V), abs=1e-4)
@@ -339,14 +416,14 @@ def test_low_precision_logits_are_computed_in_float32_and_left_unchanged():
         SamplingParams(top_p=0.8, seed=2),
     ]
     history = [[1, 2, 3]] * 3
-    a = sample(logits, params, [generator(p.seed) for p in params], history, history)
-    b = sample(logits.float(), params, [generator(p.seed) for p in params], history, history)
+    a = sample_rows(logits, params, [generator(p.seed) for p in params], history, history)
+    b = sample_rows(logits.float(), params, [generator(p.seed) for p in params], history, history)
     assert a == b
     assert torch.equal(logits, before)
 
 
 def test_logprobs_as_vllm_dict():
-    out = sample(
+    out = sample_rows(
         torch.tensor([[3.0, 2.0, 1.0, 0.0]]), [SamplingParams(temperature=0, logprobs=2)], [None], [[]], [[]]
     )
     d = out.logprobs[0].as_dict(decode=lambda t: f"<{t}>")
@@ -354,7 +431,7 @@ def test_logprobs_as_vllm_dict():
     assert (
         d[0] == Logprob(out.logprobs[0].logprob, 1, "<0>") and d[1].rank == 2 and d[1].decoded_token == "<1>"
     )
-    out = sample(
+    out = sample_rows(
         torch.tensor([[3.0, 2.0, 1.0, 0.0]]),
         [SamplingParams(top_k=4, min_p=0.3, logprobs=1, seed=5)],
         [generator(5)],
@@ -364,115 +441,18 @@ def test_logprobs_as_vllm_dict():
     assert len(out.logprobs[0].as_dict()) in (1, 2)  # the sampled token, plus the best one if it differs
 
 
-def test_batch_arguments_must_have_one_entry_per_row():
-    logits = torch.zeros(2, 5)
-    ok = dict(
-        params=[SamplingParams()] * 2,
-        generators=[None] * 2,
-        prompt_token_ids=[[]] * 2,
-        output_token_ids=[[]] * 2,
-    )
-    for name in ok:
-        with pytest.raises(ValueError, match=name):
-            sample(logits, **{**ok, name: ok[name][:1]})
-    with pytest.raises(ValueError, match="logits"):
-        sample(torch.zeros(5), **{k: v[:1] for k, v in ok.items()})
-
-
-@pytest.mark.parametrize(
-    "field, value, message",
-    [
-        ("max_tokens", 0, "max_tokens"),
-        ("max_tokens", 2.5, "max_tokens"),
-        ("max_tokens", True, "max_tokens"),
-        ("temperature", -0.1, "temperature"),
-        ("temperature", float("nan"), r"temperature.*finite"),
-        ("temperature", float("inf"), r"temperature.*finite"),
-        ("temperature", True, "temperature"),
-        ("top_k", -2, r"top_k.*-1"),
-        ("top_k", 1.5, "top_k"),
-        ("top_k", False, "top_k"),
-        ("top_p", 0.0, r"top_p.*\(0, 1\]"),
-        ("top_p", 1.5, "top_p"),
-        ("top_p", float("nan"), "top_p"),
-        ("min_p", -0.1, r"min_p.*\[0, 1\]"),
-        ("min_p", 1.1, "min_p"),
-        ("min_p", float("nan"), "min_p"),
-        ("repetition_penalty", 0.0, "repetition_penalty"),
-        ("repetition_penalty", float("inf"), r"repetition_penalty.*finite"),
-        ("presence_penalty", 2.5, r"presence_penalty.*\[-2, 2\]"),
-        ("presence_penalty", -2.5, "presence_penalty"),
-        ("presence_penalty", float("nan"), "presence_penalty"),
-        ("frequency_penalty", 2.5, r"frequency_penalty.*\[-2, 2\]"),
-        ("frequency_penalty", -math.inf, "frequency_penalty"),
-        ("frequency_penalty", True, "frequency_penalty"),
-        ("logprobs", 6, r"logprobs.*\[0, 5\]"),
-        ("logprobs", -1, "logprobs"),
-        ("logprobs", 2.0, "logprobs"),
-        ("logprobs", True, "logprobs"),
-        ("stop", [""], "stop"),
-        ("stop", 5, "stop"),
-        ("stop_token_ids", [-1], "stop_token_ids"),
-        ("stop_token_ids", [True], "stop_token_ids"),
-        ("ignore_eos", 1, "ignore_eos"),
-        ("seed", "x", "seed"),
-        ("seed", 2**64, "seed"),
-        ("seed", -(2**63) - 1, "seed"),
-        ("seed", 1.0, "seed"),
-        ("output_kind", "delta", "output_kind"),
-    ],
-)
-def test_bad_sampling_params_raise(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**{field: value})
-
-
-def test_defaults_and_edge_values_are_vllms():
-    p = SamplingParams()
-    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p) == (16, 1.0, 0, 1.0, 0.0)
-    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.logprobs) == (
-        1.0,
-        0.0,
-        0.0,
-        None,
-    )
-    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.seed) == ([], [], False, None)
-    assert p.output_kind is RequestOutputKind.CUMULATIVE
-    assert (
-        SamplingParams(stop="x").stop == ["x"]
-        and SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == []
-    )
-    for ok in [dict(top_k=-1), dict(presence_penalty=-2, frequency_penalty=2), dict(logprobs=0), dict(logprobs=5),
-               dict(seed=2**64 - 1), dict(seed=-(2**63)), dict(temperature=0), dict(min_p=1), dict(output_kind=RequestOutputKind.DELTA)]:  # fmt: skip
-        SamplingParams(**ok)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_call_waits_for_the_gpu_once():
-    """Sync budget of one ``sample`` call on a GPU: 0 in ``sample_on_device`` (checked: any sync raises in
-    torch's "error" sync-debug mode), then exactly 1, the ``.tolist()`` in ``to_host``. Also: a seeded row
-    gives the same ids alone and in a batch, and the GPU's ids of seeded rows match the reference's."""
+def test_rows_on_the_gpu_equal_the_reference():
+    """On a GPU, as on the CPU: seeded, greedy and certain rows give the reference's ids."""
     device = torch.device("cuda")
     rng = random.Random(0)
     B, vocab = len(MIXED), 50257
     histories = [random_history(rng, vocab) for _ in range(B)]
     logits = torch.randn(B, vocab, device=device) * 3
     gens = [generator(p.seed, device) for p in MIXED]
-    args = (logits, MIXED, gens, [h[0] for h in histories], [h[1] for h in histories])
-    sample(*args)  # warm up: pinned-memory pool, kernels
-    torch.cuda.synchronize()
-    gens[:] = [generator(p.seed, device) for p in MIXED]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        packed = sample_on_device(*args)  # SYNCS ALLOWED HERE: 0
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    out = to_host(packed, MIXED)  # SYNCS HERE: 1
+    out = sample_rows(logits, MIXED, gens, [h[0] for h in histories], [h[1] for h in histories])
     for i, p in enumerate(MIXED):
         if p.seed is not None or p.temperature == 0 or i in CERTAIN:
             ref = sample_one(logits[i], p, generator(p.seed, device), *histories[i])
             assert out.token_ids[i] == ref, (i, p)
-    alone = [sample(logits[i : i + 1], [p], [generator(p.seed, device)], [histories[i][0]], [histories[i][1]]).token_ids[0]
-             for i, p in enumerate(MIXED) if p.seed is not None]  # fmt: skip
-    assert alone == [t for t, p in zip(out.token_ids, MIXED) if p.seed is not None]

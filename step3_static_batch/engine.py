@@ -14,33 +14,13 @@ import operator
 import time
 from collections import deque
 
-import torch
-
 from common.tokenizer import Tokenizer
-from common.weights import resolve_model
 
+from .config import EngineArgs
 from .model import GPT
 from .model_runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput, Sequence
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def check_device(device: str) -> torch.device:
-    """The torch device named ``device``: "cpu", "cuda" or "cuda:N". Raises ValueError for anything else,
-    or for a GPU this machine does not have."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r}: not a device name (e.g. 'cpu', 'cuda', 'cuda:1')") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: the engines run on 'cpu' or 'cuda' only")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev
 
 
 def as_token_ids(ids) -> list[int]:
@@ -57,32 +37,23 @@ def as_token_ids(ids) -> list[int]:
 class LLMEngine:
     """The generation engine, driven one step at a time.
 
-    model: "demo" (bundled), a Hub id or alias ("gpt2", "gpt2-medium", ...), or a local snapshot
-    folder (see ``common.weights.resolve_model``). device: a torch device string. dtype: "float32",
-    "float16" or "bfloat16". max_batch_size: most requests decoded together.
-
     num_padding_tokens, num_wasted_tokens: positions computed so far that serve no request: left padding,
     and rows of requests that had finished while their batch had not.
 
-    Raises ValueError on a bad model, device, dtype or max_batch_size; ConnectionError if a Hub model
-    cannot be fetched.
+    The arguments are those of ``EngineArgs`` (config.py), which checks them before any weights load:
+    raises ValueError on a bad argument; ConnectionError if a Hub model cannot be fetched.
     """
 
     def __init__(
         self, model: str = "demo", device: str = "cpu", dtype: str = "float32", max_batch_size: int = 8
     ):
-        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size!r}: must be an integer >= 1")
-        self.max_batch_size = max_batch_size
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPES)}")
-        self.device = check_device(device)
-        folder = resolve_model(model)
-        self.tokenizer = Tokenizer(folder)
-        self.dtype = DTYPES[dtype]
-        self.model = GPT.from_pretrained(str(folder), device=self.device, dtype=self.dtype)
+        self.args = args = EngineArgs(model=model, device=device, dtype=dtype, max_batch_size=max_batch_size)
+        self.device, self.dtype = args.torch_device, args.torch_dtype
+        self.max_batch_size = args.max_batch_size
+        self.tokenizer = Tokenizer(args.folder)
+        self.model = GPT.from_pretrained(str(args.folder), device=self.device, dtype=self.dtype)
         self.config = self.model.config
-        self.max_model_len = self.config.n_positions  # tokens one request can reach, prompt included
+        self.max_model_len = args.max_model_len  # tokens one request can reach, prompt included
         self.model_runner = ModelRunner(self.model, self.tokenizer, self.device)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self.waiting: deque[Sequence] = deque()
@@ -125,8 +96,8 @@ class LLMEngine:
             raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt of {len(ids)} tokens leaves no room to generate: at most {self.max_model_len - 1} prompt "
-                f"tokens fit (context window: {window} tokens)"
+                f"prompt of {len(ids)} tokens leaves no room to generate: at most "
+                f"{self.max_model_len - 1} prompt tokens fit (context window: {window} tokens)"
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: every id must be < vocab_size={vocab}")

@@ -19,7 +19,8 @@ from common.tokenizer import Tokenizer
 
 from .kv_cache import KVCache
 from .model import GPT
-from .sampling import Logprob, sample
+from .sampler import sample
+from .sampling_params import Logprob
 from .sequence import Sequence
 
 
@@ -49,11 +50,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs, if asked for)."""
+        """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs if asked)."""
         input_ids = self.prepare_inputs(seqs)
-        logits = self.model(input_ids, self.kv_cache, self.num_pads_t, last_only=True)[
-            :, -1
-        ]  # [B, V], the scores of the token after the last one
+        # [B, V]: the scores of the token after the last one
+        logits = self.model(input_ids, self.kv_cache, self.num_pads_t, last_only=True)[:, -1]
         return self.sample(seqs, logits)
 
     def prepare_inputs(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Step 3 tests: a request's output does not depend on the batch it runs in.
 
-Parity tiers (README.md, "How correctness is checked"): each request's greedy ids in a batch equal its solo step 2 run and HF
-``generate`` with left padding and an attention mask; seeded sampling is batch-independent.
+Parity tiers (README.md, "How correctness is checked"): each request's greedy ids in a batch equal its solo
+step 2 run and HF ``generate`` with left padding and an attention mask; seeded sampling is batch-independent.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import step2_kvcache
+from step2_kvcache import sampler as step2_sampler
 
+from .config import EngineArgs
 from .llm import LLM
 from .model import GPT, padding_mask
-from .sampling import SamplingParams
+from .sampler import sample
+from .sampling_params import SamplingParams
 
 PROMPTS = [
     "x",
@@ -131,6 +134,63 @@ def test_seeded_sample_is_batch_independent(llm):
         )
 
 
+def test_seeded_sample_equals_step2s_plain_sampler(llm, solo):
+    """The batched sampler arrives in this step; step 2 samples one row at a time. Both draw from each
+    request's own generator alike, so a seeded request with penalties and filters gives step 2's tokens
+    and logprobs, in a batch too."""
+    fields = dict(max_tokens=24, temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+                  presence_penalty=0.5, frequency_penalty=0.4, logprobs=2, seed=1234)  # fmt: skip
+    plain = solo.generate(PROMPTS[2], step2_kvcache.SamplingParams(**fields))[0].outputs[0]
+    batch = [SamplingParams(max_tokens=9, temperature=0.7, seed=1), SamplingParams(**fields),
+             SamplingParams(max_tokens=30, temperature=0)]  # fmt: skip
+    batched = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4]], batch)[1].outputs[0]
+    assert len(set(plain.token_ids)) > 1 and batched.token_ids == plain.token_ids
+    assert batched.text == plain.text
+    for got, want in zip(batched.logprobs, plain.logprobs, strict=True):
+        assert list(got) == list(want)  # the same tokens: the sampled one, then the top 2
+        for token_id, logprob in got.items():
+            assert (logprob.rank, logprob.decoded_token) == (
+                want[token_id].rank,
+                want[token_id].decoded_token,
+            )
+            assert logprob.logprob == pytest.approx(want[token_id].logprob, abs=1e-5)
+
+
+def test_batched_sampler_equals_step2s_plain_sampler_row_by_row():
+    """On random logits: every seeded or greedy row of a batch gets the id that step 2's plain sampler
+    gives it alone, with the same logprobs (within float32 rounding)."""
+    torch.manual_seed(0)
+    rows = [dict(temperature=0, repetition_penalty=1.5, logprobs=3),
+            dict(temperature=0.8, top_k=20, seed=1, logprobs=1),
+            dict(temperature=1.2, top_p=0.7, min_p=0.01, seed=2),
+            dict(presence_penalty=1.0, frequency_penalty=-0.5, seed=3, logprobs=5),
+            dict(temperature=0, presence_penalty=-2, frequency_penalty=2)]  # fmt: skip
+    params = [SamplingParams(**row) for row in rows]
+    plain_params = [step2_kvcache.SamplingParams(**row) for row in rows]
+    prompts = [[1, 2, 3, 2], [7], [4, 4, 9], [5, 6], [8, 1]]
+    outputs = [[2, 2, 5], [], [9, 1], [6, 6, 6, 3], [1, 0]]
+    batch_gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+    plain_gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+    for _ in range(4):  # several steps: the generators advance, the outputs grow
+        logits = torch.randn(len(params), 500) * 3
+        out = sample(logits, params, batch_gens, prompts, outputs)
+        for i, p in enumerate(plain_params):
+            token_id, want = step2_sampler.sample(logits[i], p, plain_gens[i], prompts[i], outputs[i])
+            assert out.token_ids[i] == token_id, (i, p)
+            got = out.logprobs[i]
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert (got.token_id, got.rank, [t for t, _ in got.top]) == (
+                    want.token_id, want.rank, [t for t, _ in want.top])  # fmt: skip
+                torch.testing.assert_close(
+                    torch.tensor([got.logprob] + [lp for _, lp in got.top]),
+                    torch.tensor([want.logprob] + [lp for _, lp in want.top]),
+                    atol=1e-5,
+                    rtol=0,
+                )
+            outputs[i].append(token_id)
+
+
 def test_no_nan_or_inf_with_heavy_padding(demo_snapshot):
     model = GPT.from_pretrained(str(demo_snapshot))
     ids = torch.randint(model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -205,10 +265,14 @@ def test_batches_form_in_arrival_order(llm, monkeypatch):
     assert sizes == [ids[0:3], ids[3:6], ids[6:7]]
 
 
-def test_bad_max_batch_size():
-    for bad in (0, -1, 2.5):
-        with pytest.raises(ValueError, match="max_batch_size"):
-            LLM(max_batch_size=bad)
+def test_bad_max_batch_size(tmp_path):
+    """Refused by EngineArgs with its message, before the model is looked for (here there is none)."""
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError) as error:
+            EngineArgs(model=str(tmp_path / "nothing-here"), max_batch_size=bad)
+        assert str(error.value) == f"max_batch_size={bad!r}: must be an integer >= 1"
+    with pytest.raises(ValueError, match="max_batch_size=0"):
+        LLM(max_batch_size=0)
 
 
 def test_cli_several_prompts_and_file(llm, tmp_path):
@@ -229,7 +293,7 @@ def test_cli_several_prompts_and_file(llm, tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a safety net against a hang, not a measure: a loaded machine can take minutes
     )
     assert result.returncode == 0, result.stderr
     expected = llm.generate(

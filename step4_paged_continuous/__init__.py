@@ -4,7 +4,7 @@ from .block_manager import BlockManager
 from .engine import LLMEngine
 from .kv_cache import PagedKVCache
 from .llm import LLM
-from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 

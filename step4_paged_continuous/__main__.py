@@ -17,9 +17,9 @@ import os
 import sys
 import time
 
-from .engine import DTYPES
+from .config import DTYPES
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         else "decode n/a"
     )
     print(
-        f"[{len(out.prompt_token_ids)} prompt tokens, {num_tokens} generated ({out.outputs[0].finish_reason}), "
-        f"TTFT {m.ttft_s * 1e3:.1f} ms, {decode}]",
+        f"[{len(out.prompt_token_ids)} prompt tokens, {num_tokens} generated "
+        f"({out.outputs[0].finish_reason}), TTFT {m.ttft_s * 1e3:.1f} ms, {decode}]",
         file=sys.stderr,
     )
     return 0
@@ -192,8 +192,8 @@ def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> int:
         print(out.prompt + completion.text)
     generated = sum(len(out.outputs[0].token_ids) for out in outputs)
     print(
-        f"[{len(outputs)} requests: {generated} tokens generated in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s); "
-        f"{engine_summary(llm.engine)}]",
+        f"[{len(outputs)} requests: {generated} tokens generated in {elapsed:.2f} s "
+        f"({generated / elapsed:.1f} tok/s); {engine_summary(llm.engine)}]",
         file=sys.stderr,
     )
     return 0

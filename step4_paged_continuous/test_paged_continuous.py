@@ -19,12 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import step2_kvcache
+from common.weights import load_config
 
 from .block_manager import BlockManager
+from .config import EngineArgs
 from .engine import LLMEngine
 from .kv_cache import PagedKVCache
 from .llm import LLM
-from .sampling import SamplingParams
+from .model import GPT
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestMetrics
 
@@ -263,17 +266,53 @@ def test_limits_on_sequences_and_tokens_per_step(demo_engine_args, solo):
     assert peak == 2
 
 
-def test_bad_engine_arguments(demo_engine_args):
-    for kwargs, field in (
-        (dict(block_size=0), "block_size"),
-        (dict(max_num_seqs=0), "max_num_seqs"),
-        (dict(num_kv_blocks=0), "num_kv_blocks"),
-        (dict(kv_cache_memory=10), "kv_cache_memory"),
-        (dict(kv_cache_memory=2**20, num_kv_blocks=4), "not both"),
-        (dict(max_num_batched_tokens=100), "max_num_batched_tokens"),
-    ):
-        with pytest.raises(ValueError, match=field):
+def test_bad_engine_arguments(demo_snapshot, demo_engine_args, monkeypatch):
+    """EngineArgs refuses each bad argument with its message; LLMEngine raises it before any weights load
+    (the checks against the context window read it from config.json)."""
+    per_block = PagedKVCache.block_bytes(load_config(demo_snapshot), 16, torch.float32)  # bytes
+    cases = [
+        (dict(block_size=0), "block_size=0: must be an integer >= 1"),
+        (dict(block_size=True), "block_size=True: must be an integer >= 1"),
+        (dict(max_num_seqs=2.5), "max_num_seqs=2.5: must be an integer >= 1"),
+        (dict(block_size=1024), "block_size=1024: must be at most the context window (512 tokens)"),
+        (
+            dict(num_kv_blocks=0),
+            f"num_kv_blocks=0: must be an integer >= 1 (a block of 16 tokens takes {per_block} bytes)",
+        ),
+        (
+            dict(kv_cache_memory=10),
+            f"kv_cache_memory=10: must be an integer >= {per_block} bytes (one block)",
+        ),
+        (
+            dict(kv_cache_memory=2**20, num_kv_blocks=4),
+            "num_kv_blocks, kv_cache_memory: give one of them, not both",
+        ),
+        (
+            dict(max_num_batched_tokens=100),
+            "max_num_batched_tokens=100: must be an integer >= the context window (512)",
+        ),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as error:
+            EngineArgs(**demo_engine_args, **kwargs)
+        assert str(error.value) == message
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the arguments were checked")
+
+    monkeypatch.setattr(GPT, "from_pretrained", no_weights)
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as error:
             LLMEngine(**demo_engine_args, **kwargs)
+        assert str(error.value) == message
+
+
+def test_engine_args_resolve_the_pool(demo_engine_args):
+    """The defaults the engine is built from: a pool with room for max_num_seqs sequences of the context
+    window, and a prefill budget of the context window."""
+    args = EngineArgs(**demo_engine_args, max_num_seqs=3, block_size=32)
+    assert args.num_kv_blocks == 3 * 512 // 32
+    assert args.max_num_batched_tokens == 512 and args.max_model_len == 512
 
 
 def test_pool_sized_from_a_memory_budget(demo_engine_args):
@@ -428,7 +467,11 @@ def demo_solo(demo_snapshot):
     return step2_kvcache.LLM(model=str(demo_snapshot))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15,
+    deadline=None,  # no time limits: the suite runs on loaded machines too
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     events=EVENTS,
     block_size=st.sampled_from([2, 4, 16]),
@@ -496,7 +539,7 @@ def test_cli_several_prompts(demo_snapshot):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a safety net against a hang, not a measure: a loaded machine can take minutes
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("--- request") == 2

@@ -64,7 +64,8 @@ class PagedKVCache:
 
     @staticmethod
     def block_bytes(config: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers, K and V: 2 x n_layer x block_size x n_head x head_dim x size."""
+        """Bytes one block takes over all layers, K and V:
+        2 x n_layer x block_size x n_head x head_dim x dtype size."""
         return 2 * config.n_layer * block_size * config.n_head * config.head_dim * dtype.itemsize
 
     @property

@@ -22,7 +22,8 @@ from common.tokenizer import Tokenizer
 from .block_manager import BlockManager
 from .kv_cache import PagedKVCache
 from .model import GPT, AttentionMetadata, decode_attention_mask
-from .sampling import Logprob, sample
+from .sampler import sample
+from .sampling_params import Logprob
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

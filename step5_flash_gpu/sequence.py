@@ -18,7 +18,7 @@ import torch
 
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
-from .sampling import Logprob, RequestOutputKind, SamplingParams
+from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 
 
 @dataclass

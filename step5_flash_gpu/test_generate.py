@@ -1,14 +1,17 @@
 """Generation tests, kept in every step from step 1 on: the API, sampling, stopping rules, bad input.
 
-Parity tiers (README.md, "How correctness is checked"): greedy ids equal HF ``generate(do_sample=False)`` on the demo checkpoint; the
-logits used at every step equal step 0's forward pass on the same prefix, within float32 tolerance
-(|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defaults).
+Parity tiers (README.md, "How correctness is checked"): greedy ids equal HF ``generate(do_sample=False)``
+on the demo checkpoint; the logits used at every step equal step 0's forward pass on the same prefix,
+within float32 tolerance (|diff| <= 1e-5 + 1.3e-6 |logit|, torch.testing's defaults).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +20,9 @@ from transformers import GPT2LMHeadModel
 from step0_model import GPT as Step0GPT
 
 from . import model_runner
+from .config import EngineArgs
 from .llm import LLM
-from .sampling import Logprob, RequestOutputKind, SamplingParams, sample
+from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 from .sequence import CompletionOutput, RequestOutput
 
 PROMPTS = [
@@ -87,12 +91,14 @@ def test_step_logits_equal_step0_forward(llm, demo_snapshot, monkeypatch):
     """Every logits row that reaches the sampler equals step 0's forward pass over the same prefix."""
     seen = []
 
-    def recording_sample(logits, params, generators, prompt_token_ids, output_token_ids):
-        for row, prompt, output in zip(logits, prompt_token_ids, output_token_ids):
-            seen.append((row.clone(), prompt + output))
-        return sample(logits, params, generators, prompt_token_ids, output_token_ids)
+    sample = model_runner.ModelRunner.sample
 
-    monkeypatch.setattr(model_runner, "sample", recording_sample)
+    def recording_sample(self, seqs, logits):
+        for row, seq in zip(logits, seqs):
+            seen.append((row.clone(), seq.prompt_token_ids + seq.output_token_ids))
+        return sample(self, seqs, logits)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "sample", recording_sample)
     llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.9, seed=0))
     step0 = Step0GPT.from_pretrained(str(demo_snapshot))
     assert len(seen) == 12
@@ -321,23 +327,116 @@ def test_lenient_and_strict_input_forms(llm):
 
 
 def test_bad_model_device_dtype(tmp_path):
-    for device in ("meta", "mps", None, "cuda:abc", ""):
-        with pytest.raises(ValueError, match="device"):
-            LLM(device=device)
-    with pytest.raises(ValueError, match="dtype"):
-        LLM(dtype="float8")
-    with pytest.raises(ValueError, match="device"):
+    """EngineArgs refuses a bad device or dtype with its message before it looks for the model (here there
+    is none), and LLM raises what EngineArgs raises."""
+    nowhere = str(tmp_path / "nothing-here")
+    not_a_name = "not a device name (e.g. 'cpu', 'cuda', 'cuda:1')"
+    for device, message in (
+        ("meta", "the engines run on 'cpu' or 'cuda' only"),
+        ("mps", "the engines run on 'cpu' or 'cuda' only"),
+        (None, not_a_name),
+        ("cuda:abc", not_a_name),
+        ("", not_a_name),
+        ("toaster", not_a_name),
+    ):
+        with pytest.raises(ValueError) as error:
+            EngineArgs(model=nowhere, device=device)
+        assert str(error.value) == f"device={device!r}: {message}"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError) as error:
+            EngineArgs(model=nowhere, device="cuda")
+        assert str(error.value) == "device='cuda': CUDA is not available on this machine"
+    for make in (EngineArgs, LLM):
+        with pytest.raises(ValueError) as error:
+            make(model=nowhere, dtype="float8")
+        assert str(error.value) == "dtype='float8': must be one of ['bfloat16', 'float16', 'float32']"
+    with pytest.raises(ValueError, match="device='toaster'"):
         LLM(device="toaster")
     with pytest.raises(ValueError, match="no such folder"):
-        LLM(model=str(tmp_path / "nothing-here"))
+        LLM(model=nowhere)
     with pytest.raises(ValueError, match="lacks"):
         LLM(model=str(tmp_path))
 
 
+def test_engine_args_resolve_what_the_parts_are_built_from(demo_snapshot):
+    args = EngineArgs(model=str(demo_snapshot), dtype="bfloat16")
+    assert args.folder == demo_snapshot and args.hf_config.n_positions == 512
+    assert args.torch_device == torch.device("cpu") and args.torch_dtype is torch.bfloat16
+    assert args.max_model_len == 512  # the context window
+
+
+# A safety net against a hung process, never a measure of speed: on a loaded machine, starting Python,
+# importing torch and loading the model can take minutes.
+CLI_TIMEOUT_S = 600
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", __package__, *args], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", __package__, *args],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env=env,
     )
+
+
+def env_running_first(folder: Path, code: str) -> dict:
+    """The environment of a child Python that runs ``code`` before anything else (a sitecustomize.py put
+    in ``folder``, which goes first on PYTHONPATH)."""
+    (folder / "sitecustomize.py").write_text(code)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+# Any use of the network ends the child at once, with status 97 and a line on stderr (an audit hook).
+NO_NETWORK = """
+import os, sys
+
+def refuse(event, args):
+    if event in ("socket.getaddrinfo", "socket.gethostbyname", "socket.connect"):
+        os.write(2, f"network used: {event} {args!r}\\n".encode())
+        os._exit(97)
+
+sys.addaudithook(refuse)
+"""
+
+# The child's stdout takes the prompt and the first generated text; its next write waits until the test
+# closes the child's stdin (as output to a terminal that stopped reading waits). The CLI is then still
+# generating when the test acts (Ctrl-C, a closed pipe), however a loaded machine schedules the two.
+HOLD_OUTPUT = """
+import sys
+
+class HeldOutput:
+    def __init__(self, stream):
+        self.stream, self.texts = stream, 0
+
+    def write(self, text):
+        self.texts += bool(text)
+        if self.texts == 3:  # the prompt, the first generated text, then this one
+            sys.stdin.read()  # until EOF
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+sys.stdout = HeldOutput(sys.stdout)
+"""
+
+
+def start_held_cli(folder: Path, *args: str) -> tuple[subprocess.Popen, threading.Timer]:
+    """The CLI in a child process whose output holds (``HOLD_OUTPUT``), and a started watchdog that kills
+    it after CLI_TIMEOUT_S (a safety net: a hung CLI fails its test, not the whole run; cancel it after)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", __package__, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_running_first(folder, HOLD_OUTPUT),
+    )
+    watchdog = threading.Timer(CLI_TIMEOUT_S, proc.kill)
+    watchdog.start()
+    return proc, watchdog
 
 
 def test_cli_streams_text_then_summary(llm):
@@ -373,15 +472,12 @@ def test_cli_bad_input_is_one_line_and_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("error: ")
 
 
-def test_cli_hub_model_offline_fails_fast_with_one_line():
-    """HF_HUB_OFFLINE=1 makes huggingface_hub refuse the network: the message says the Hub is unreachable."""
-    import os
-    import time
-
-    start = time.perf_counter()
-    result = run_cli("hi", "--model", "nobody/no-such-model-here", env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert time.perf_counter() - start < 30  # interpreter start-up included; the lookup itself fails at once
-    assert result.returncode == 2
+def test_cli_hub_model_offline_fails_fast_with_one_line(tmp_path):
+    """HF_HUB_OFFLINE=1 makes huggingface_hub refuse the network: the message says the Hub is unreachable.
+    It fails at once: nothing even looks a host up (no connection, no retry to wait for)."""
+    env = {**env_running_first(tmp_path, NO_NETWORK), "HF_HUB_OFFLINE": "1"}
+    result = run_cli("hi", "--model", "nobody/no-such-model-here", env=env)
+    assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not be reached" in lines[0] and "local folder" in lines[0]
 
@@ -472,22 +568,20 @@ def test_logprobs_of_greedy_tokens_equal_log_softmax_of_hf_logits(llm, hf_demo):
             assert lp.decoded_token == llm.tokenizer.decode([t])
 
 
-def test_cli_ctrl_c_ends_quietly_with_status_130():
+def test_cli_ctrl_c_ends_quietly_with_status_130(tmp_path):
+    """Ctrl-C while the CLI generates (its output held: it cannot finish first): status 130, no traceback."""
     import signal
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "400", "--ignore-eos"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    prompt = "The Python interpreter"
+    proc, watchdog = start_held_cli(tmp_path, prompt, "--max-tokens", "400", "--ignore-eos")
     try:
-        assert proc.stdout.read(len("The Python interpreter")) == "The Python interpreter"  # generating now
+        assert proc.stdout.read(len(prompt)) == prompt  # generating now
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)  # closes stdin: only now may the output go on
     finally:
+        watchdog.cancel()
         proc.kill()
-    assert proc.returncode == 130
+    assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
 
 
@@ -499,15 +593,16 @@ def test_cli_bad_option_is_one_line_and_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("error: ")
 
 
-def test_cli_output_into_a_closed_pipe_is_quiet():
-    """`python -m <step> ... | head -c 10`: the reader leaves early; no BrokenPipeError traceback."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", __package__, "The Python interpreter", "--max-tokens", "40"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    proc.stdout.read(5)
-    proc.stdout.close()  # the reader is gone
-    _, stderr = proc.communicate(timeout=120)
+def test_cli_output_into_a_closed_pipe_is_quiet(tmp_path):
+    """`python -m <step> ... | head -c 10`: the reader leaves early (the CLI's output held until then: it
+    has more to write); no BrokenPipeError traceback."""
+    proc, watchdog = start_held_cli(tmp_path, "The Python interpreter", "--max-tokens", "40", "--ignore-eos")
+    try:
+        assert proc.stdout.read(5) == "The P"
+        proc.stdout.close()  # the reader is gone
+        _, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)  # closes stdin: the output goes on, into it
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 1, stderr  # the CLI's status for a reader that went away
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr

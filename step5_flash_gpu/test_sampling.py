@@ -1,10 +1,11 @@
-"""The batched sampler against the one-row reference, and SamplingParams' validation.
+"""The batched sampler against a one-row reference, and its host syncs on a GPU.
 
-``sample_one`` runs every stage the plain way on one row and draws with the same exponential race from
-the same generator, so a seeded row must give exactly the reference's id, alone or anywhere in any batch.
-Unseeded rows cannot be compared id by id: they are checked where the outcome is certain (greedy, top_k=1,
-a tiny top_p), by their processed distribution (the logprobs), and by their frequencies over many rows of
-one batch (Pearson's chi-square). The GPU test counts host syncs: one call may wait for the device once.
+``sample_one`` (below) runs every stage the plain way on one row and draws with the same exponential race
+from the same generator, so a seeded row must give exactly the reference's id, alone or anywhere in any
+batch. Unseeded rows cannot be compared id by id: they are checked where the outcome is certain (greedy,
+top_k=1, a tiny top_p), by their processed distribution (the logprobs), and by their frequencies over many
+rows of one batch (Pearson's chi-square). The GPU test counts host syncs: one call may wait for the device
+once. SamplingParams' validation is tested in step 1 (``test_sampling_params.py``).
 """
 
 from __future__ import annotations
@@ -16,19 +17,15 @@ import random
 import pytest
 import torch
 
-from .sampling import (
+from .sampler import (
     FLOAT32_MAX,
-    Logprob,
-    RequestOutputKind,
-    SamplingParams,
-    apply_repetition_penalty,
+    FLOAT32_TINY,
     penalize_repetitions,
-    process_one,
     sample,
     sample_on_device,
-    sample_one,
     to_host,
 )
+from .sampling_params import Logprob, SamplingParams, is_greedy
 
 V = 1000  # vocabulary of the random-logit tests
 
@@ -46,6 +43,72 @@ def random_history(rng: random.Random, vocab: int = V) -> tuple[list[int], list[
         for _ in range(rng.randrange(0, 20))
     ]
     return prompt, output
+
+
+# The reference: one row, written the plain way. Same stages, same formulas, same random numbers (the
+# exponential race from the same generator), so the batched sampler must give exactly its ids.
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_token_ids: list[int], penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty on one row of logits [V] for the tokens in ``seen_token_ids``."""
+    penalty = min(penalty, FLOAT32_MAX)  # a larger one is inf in float32, and 0 * inf = NaN
+    seen = torch.tensor(sorted(set(seen_token_ids)), device=logits.device, dtype=torch.long)  # [S]
+    scores = logits[seen]  # [S]
+    logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return logits.clamp_(-FLOAT32_MAX, FLOAT32_MAX)  # an extreme penalty overflows float32
+
+
+def process_one(
+    logits: torch.Tensor, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]
+) -> torch.Tensor:
+    """One row of logits [V] after the penalties and, unless greedy, the temperature and the filters:
+    [V] float32, removed tokens at -inf. Its log_softmax is what ``sample`` must report as logprobs."""
+    logits = logits.to(torch.float32, copy=True)  # [V]
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(
+            logits, prompt_token_ids + output_token_ids, params.repetition_penalty
+        )
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        output = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(output, minlength=logits.numel()).float()  # [V]
+        logits = logits - params.frequency_penalty * counts
+        logits = logits - params.presence_penalty * (counts > 0).float()
+    if is_greedy(params):
+        return logits
+    logits = (logits / params.temperature).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+    if params.top_k > 0:
+        kth_best = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits[logits < kth_best] = -math.inf
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(
+            torch.softmax(logits, dim=-1), descending=True, stable=True
+        )  # [V], [V]
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the better tokens
+        drop = mass_before >= params.top_p  # the token that crosses top_p is kept...
+        drop[0] = False  # ...and so is the best one, however small top_p is
+        logits[order[drop]] = -math.inf
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)  # [V]
+        logits[probs < params.min_p * probs.max()] = -math.inf
+    return logits
+
+
+def sample_one(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+) -> int:
+    """The next token id from one row of logits [V] (any float dtype; computed in float32): the reference
+    for ``sample``. generator: the request's own generator on the logits' device, or None (torch's default).
+    """
+    logits = process_one(logits, params, prompt_token_ids, output_token_ids)  # [V]
+    if is_greedy(params):
+        return int(logits.argmax())
+    probs = torch.softmax(logits, dim=-1)  # [V]
+    q = torch.empty_like(probs).exponential_(generator=generator)  # [V], Exp(1): the exponential race
+    return int((probs / q.clamp_(min=FLOAT32_TINY)).argmax())
 
 
 # Every kind of row in one batch. (seeded, unseeded-but-certain, and unseeded-random rows side by side)
@@ -208,8 +271,12 @@ def test_frequencies_of_every_setting_in_one_batch(seeded):
 def test_greedy_logprobs_are_the_log_softmax_of_the_logits():
     torch.manual_seed(0)
     logits = (torch.randn(4, V) * 4).to(torch.bfloat16)
-    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0, logprobs=0),
-              SamplingParams(temperature=0), SamplingParams(temperature=5e-6, top_k=2, logprobs=3)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=5e-6, top_k=2, logprobs=3),
+    ]
     empty = [[]] * 4
     out = sample(logits, params, [None] * 4, empty, empty)
     expected = torch.log_softmax(logits.float(), dim=-1)  # [4, V]: no temperature, no filters
@@ -311,11 +378,13 @@ def test_extreme_penalties_stay_finite(penalty):
     logits = torch.randn(5, V) * 50
     logits[:, :6] = torch.tensor([FLOAT32_MAX, -FLOAT32_MAX, 3e38, -3e38, 0.0, -0.0])
     seen = list(range(V))  # every token
-    params = [SamplingParams(temperature=0, repetition_penalty=penalty, logprobs=5),
-              SamplingParams(repetition_penalty=penalty, seed=0, logprobs=5),
-              SamplingParams(temperature=1e-5, repetition_penalty=penalty, top_p=0.9, seed=1, logprobs=5),
-              SamplingParams(repetition_penalty=penalty, min_p=0.5, frequency_penalty=2, seed=2, logprobs=5),
-              SamplingParams(repetition_penalty=penalty, top_k=3, presence_penalty=-2, seed=3, logprobs=5)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=penalty, logprobs=5),
+        SamplingParams(repetition_penalty=penalty, seed=0, logprobs=5),
+        SamplingParams(temperature=1e-5, repetition_penalty=penalty, top_p=0.9, seed=1, logprobs=5),
+        SamplingParams(repetition_penalty=penalty, min_p=0.5, frequency_penalty=2, seed=2, logprobs=5),
+        SamplingParams(repetition_penalty=penalty, top_k=3, presence_penalty=-2, seed=3, logprobs=5),
+    ]
     out = sample(logits, params, [generator(p.seed) for p in params], [seen] * 5, [[1, 2]] * 5)
     for i, p in enumerate(params):
         lp = out.logprobs[i]
@@ -379,74 +448,6 @@ def test_batch_arguments_must_have_one_entry_per_row():
         sample(torch.zeros(5), **{k: v[:1] for k, v in ok.items()})
 
 
-@pytest.mark.parametrize(
-    "field, value, message",
-    [
-        ("max_tokens", 0, "max_tokens"),
-        ("max_tokens", 2.5, "max_tokens"),
-        ("max_tokens", True, "max_tokens"),
-        ("temperature", -0.1, "temperature"),
-        ("temperature", float("nan"), r"temperature.*finite"),
-        ("temperature", float("inf"), r"temperature.*finite"),
-        ("temperature", True, "temperature"),
-        ("top_k", -2, r"top_k.*-1"),
-        ("top_k", 1.5, "top_k"),
-        ("top_k", False, "top_k"),
-        ("top_p", 0.0, r"top_p.*\(0, 1\]"),
-        ("top_p", 1.5, "top_p"),
-        ("top_p", float("nan"), "top_p"),
-        ("min_p", -0.1, r"min_p.*\[0, 1\]"),
-        ("min_p", 1.1, "min_p"),
-        ("min_p", float("nan"), "min_p"),
-        ("repetition_penalty", 0.0, "repetition_penalty"),
-        ("repetition_penalty", float("inf"), r"repetition_penalty.*finite"),
-        ("presence_penalty", 2.5, r"presence_penalty.*\[-2, 2\]"),
-        ("presence_penalty", -2.5, "presence_penalty"),
-        ("presence_penalty", float("nan"), "presence_penalty"),
-        ("frequency_penalty", 2.5, r"frequency_penalty.*\[-2, 2\]"),
-        ("frequency_penalty", -math.inf, "frequency_penalty"),
-        ("frequency_penalty", True, "frequency_penalty"),
-        ("logprobs", 6, r"logprobs.*\[0, 5\]"),
-        ("logprobs", -1, "logprobs"),
-        ("logprobs", 2.0, "logprobs"),
-        ("logprobs", True, "logprobs"),
-        ("stop", [""], "stop"),
-        ("stop", 5, "stop"),
-        ("stop_token_ids", [-1], "stop_token_ids"),
-        ("stop_token_ids", [True], "stop_token_ids"),
-        ("ignore_eos", 1, "ignore_eos"),
-        ("seed", "x", "seed"),
-        ("seed", 2**64, "seed"),
-        ("seed", -(2**63) - 1, "seed"),
-        ("seed", 1.0, "seed"),
-        ("output_kind", "delta", "output_kind"),
-    ],
-)
-def test_bad_sampling_params_raise(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**{field: value})
-
-
-def test_defaults_and_edge_values_are_vllms():
-    p = SamplingParams()
-    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p) == (16, 1.0, 0, 1.0, 0.0)
-    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.logprobs) == (
-        1.0,
-        0.0,
-        0.0,
-        None,
-    )
-    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.seed) == ([], [], False, None)
-    assert p.output_kind is RequestOutputKind.CUMULATIVE
-    assert (
-        SamplingParams(stop="x").stop == ["x"]
-        and SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == []
-    )
-    for ok in [dict(top_k=-1), dict(presence_penalty=-2, frequency_penalty=2), dict(logprobs=0), dict(logprobs=5),
-               dict(seed=2**64 - 1), dict(seed=-(2**63)), dict(temperature=0), dict(min_p=1), dict(output_kind=RequestOutputKind.DELTA)]:  # fmt: skip
-        SamplingParams(**ok)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_call_waits_for_the_gpu_once():
@@ -473,6 +474,10 @@ def test_one_call_waits_for_the_gpu_once():
         if p.seed is not None or p.temperature == 0 or i in CERTAIN:
             ref = sample_one(logits[i], p, generator(p.seed, device), *histories[i])
             assert out.token_ids[i] == ref, (i, p)
-    alone = [sample(logits[i : i + 1], [p], [generator(p.seed, device)], [histories[i][0]], [histories[i][1]]).token_ids[0]
-             for i, p in enumerate(MIXED) if p.seed is not None]  # fmt: skip
+    alone = [
+        sample(logits[i : i + 1], [p], [generator(p.seed, device)], [histories[i][0]], [histories[i][1]])
+        for i, p in enumerate(MIXED)
+        if p.seed is not None
+    ]
+    alone = [out_i.token_ids[0] for out_i in alone]
     assert alone == [t for t, p in zip(out.token_ids, MIXED) if p.seed is not None]

@@ -29,7 +29,7 @@ from typing import Any
 
 from .engine import LLMEngine
 from .metrics import ServerMetrics
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
 DEFAULT_MAX_WAITING_REQUESTS = 256

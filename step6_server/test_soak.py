@@ -39,7 +39,7 @@ from .api_server import build_app
 from .engine import LLMEngine
 from .llm import LLM
 from .protocol import ChatMessage
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .serving_chat import CHAT_STOP, render_chat
 
 SEED = 20250618  # the plan's random seed

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from .engine import LLMEngine
-from .sampling import RequestOutputKind, SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .sequence import RequestOutput, Sequence
 
 
@@ -98,7 +98,7 @@ class LLM:
 
     def _follow(self, request_id: str) -> Iterator[RequestOutput]:
         """The outputs of one request, in order, up to its final one; steps the engine whenever none is
-        waiting. Every step's outputs go to their own request's queue, so readers of other requests lose nothing."""
+        waiting. Each step's outputs go to their own request's queue: readers of other requests lose none."""
         queue = self._outputs[request_id]
         while True:
             while not queue:

@@ -30,7 +30,8 @@ from .cuda_graph import CaptureStats, CUDAGraphRunner, capture_sizes, padded_siz
 from .input_batch import InputBatch
 from .kv_cache import PagedKVCache
 from .model import GPT, AttentionMetadata, decode_attention_mask
-from .sampling import Logprob, sample
+from .sampler import sample
+from .sampling_params import Logprob
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

@@ -36,7 +36,7 @@ from .async_engine import (
 from .engine import LLMEngine
 from .metrics import ServerMetrics
 from .protocol import APIError, SamplingFields, bad_request
-from .sampling import RequestOutputKind, SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .sequence import RequestOutput
 
 

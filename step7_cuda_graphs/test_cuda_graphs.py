@@ -28,7 +28,7 @@ from .engine import LLMEngine
 from .input_batch import PADDING_ROW, InputBatch
 from .kernels import triton_usable
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
 
 PROMPTS = [

@@ -26,23 +26,28 @@ GENERATING_STEPS = [s for s in STEPS if s.name != "step0_model"]
 UNCHANGED_FROM_PREVIOUS = {
     "step1_generate": ["model.py"],
     "step2_kvcache": [
-        "sampling.py",
+        "config.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "__main__.py",
         "test_generate.py",
         "test_sampling.py",
     ],
-    "step3_static_batch": ["sampling.py", "sequence.py", "llm.py", "test_generate.py", "test_sampling.py"],
+    # the batched sampler arrives with batches: sampler.py and its tests change here, then stay
+    "step3_static_batch": ["sampling_params.py", "sequence.py", "llm.py", "test_generate.py"],
     "step4_paged_continuous": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "test_generate.py",
         "test_sampling.py",
     ],
     "step5_flash_gpu": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "scheduler.py",
@@ -53,7 +58,8 @@ UNCHANGED_FROM_PREVIOUS = {
     ],
     # the server changes no engine file: step 6 is step 5's engine behind HTTP
     "step6_server": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "scheduler.py",
@@ -62,13 +68,15 @@ UNCHANGED_FROM_PREVIOUS = {
         "model.py",
         "model_runner.py",
         "engine.py",
+        "config.py",
         "kernels.py",
         "flash_decoding.py",
     ],
-    # step 7 changes the model runner and the engine's start-up (and the CLI's flags, the package's name):
-    # the rest of the engine and of the server
+    # step 7 changes the model runner and the engine's start-up and arguments (and the CLI's flags, the
+    # package's name): the rest of the engine and of the server
     "step7_cuda_graphs": [
-        "sampling.py",
+        "sampling_params.py",
+        "sampler.py",
         "sequence.py",
         "llm.py",
         "scheduler.py",
@@ -91,11 +99,13 @@ MECHANISM_TESTS = {"step7_cuda_graphs": "test_cuda_graphs.py"}
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
 CONCEPT_FILES = [
-    "sampling.py",
+    "sampling_params.py",
+    "sampler.py",
     "sequence.py",
     "model.py",
     "model_runner.py",
     "engine.py",
+    "config.py",
     "llm.py",
     "__main__.py",
 ]
@@ -240,8 +250,8 @@ def test_readme_has_offline_commands():
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_runs(command):
     args = shlex.split(command)
-    result = subprocess.run(
-        [sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300
+    result = subprocess.run(  # timeout: a safety net against a hang, not a measure (a loaded machine is slow)
+        [sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()

@@ -3,8 +3,6 @@ ConnectionErrors. The Hub is never contacted: its client is replaced by fakes.""
 
 from __future__ import annotations
 
-import time
-
 import huggingface_hub
 import pytest
 import torch
@@ -57,18 +55,17 @@ def fake_hub(monkeypatch):
 
 
 def test_alias_maps_to_openai_repo_and_offline_fails_fast(fake_hub, monkeypatch):
-    asked = {}
+    """Offline, the lookup fails fast: one try (no retries), bounded by HUB_TIMEOUT_S (at most 5 s)."""
+    asked = []
 
     def model_info(self, repo_id, timeout=None):
-        asked.update(repo_id=repo_id, timeout=timeout)
+        asked.append(dict(repo_id=repo_id, timeout=timeout))
         raise OSError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
-    start = time.perf_counter()
     with pytest.raises(ConnectionError) as err:
         resolve_model("gpt2")
-    assert time.perf_counter() - start < 5
-    assert asked == {"repo_id": "openai-community/gpt2", "timeout": weights.HUB_TIMEOUT_S}
+    assert asked == [{"repo_id": "openai-community/gpt2", "timeout": weights.HUB_TIMEOUT_S}]
     assert weights.HUB_TIMEOUT_S <= 5
     message = str(err.value)
     assert (
