@@ -32,12 +32,9 @@ import torch.nn.functional as F  # noqa: E402
 from common.weights import load_config  # noqa: E402
 from step4_paged_continuous.kv_cache import PagedKVCache  # noqa: E402
 from step4_paged_continuous.model import decode_attention_mask  # noqa: E402
-from step5_flash_gpu.flash_decoding import (  # noqa: E402
-    choose_num_splits,
-    flash_decoding_attention,
-    write_kv,
-)
+from step5_flash_gpu.flash_decoding import choose_num_splits, flash_decoding_attention  # noqa: E402
 from step5_flash_gpu.kernels import paged_attention, paged_attention_reference, triton_usable  # noqa: E402
+from step5_flash_gpu.kv_write import write_kv  # noqa: E402
 
 from . import harness  # noqa: E402
 from .models import snapshot  # noqa: E402
@@ -85,13 +82,14 @@ IMPLEMENTATIONS = {
     "step4_gather_sdpa": "step4_paged_continuous PagedKVCache.gather (a copy of every sequence's blocks) + "
     "the SDPA call of step 4's model.paged_attention decode branch (additive mask of the positions past "
     "each length, made once per step)",
-    "triton_auto": "paged_attention, num_splits=None: choose_num_splits decides (plain or flash-decoding)",
-    "triton_plain": "paged_attention, num_splits=1: one program per (sequence, head)",
-    "triton_split4": "paged_attention, num_splits=4: flash-decoding, 4 programs per (sequence, head) + the "
-    "merge",
-    "triton_split16": "paged_attention, num_splits=16",
+    "triton_auto": "flash_decoding_attention, num_splits=None: choose_num_splits decides (plain or "
+    "flash-decoding)",
+    "triton_plain": "flash_decoding_attention, num_splits=1: one program per (sequence, head)",
+    "triton_split4": "flash_decoding_attention, num_splits=4: flash-decoding, 4 programs per (sequence, "
+    "head) + the merge",
+    "triton_split16": "flash_decoding_attention, num_splits=16",
     "indexing": "step4_paged_continuous PagedKVCache.write: k_cache.view(-1, H, D)[slots] = k, and v",
-    "triton_write_kv": "step5_flash_gpu.kernels.write_kv: one kernel for K and V",
+    "triton_write_kv": "step5_flash_gpu.kv_write.write_kv: one kernel for K and V",
 }
 
 

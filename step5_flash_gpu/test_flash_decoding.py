@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .flash_decoding import choose_num_splits, flash_decoding_attention, write_kv
+from .flash_decoding import choose_num_splits, flash_decoding_attention
 from .kernels import paged_attention_reference
+from .kv_write import write_kv
 from .test_kernels import (
     MISUSES,
     TOL,

@@ -71,6 +71,7 @@ UNCHANGED_FROM_PREVIOUS = {
         "config.py",
         "kernels.py",
         "flash_decoding.py",
+        "kv_write.py",
     ],
     # step 7 changes the model runner and the engine's start-up and arguments (and the CLI's flags, the
     # package's name): the rest of the engine and of the server
@@ -85,6 +86,7 @@ UNCHANGED_FROM_PREVIOUS = {
         "model.py",
         "kernels.py",
         "flash_decoding.py",
+        "kv_write.py",
         "async_engine.py",
         "protocol.py",
         "serving_engine.py",
