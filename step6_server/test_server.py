@@ -780,7 +780,7 @@ def test_a_request_that_can_never_be_admitted_is_400_not_429(engine, served):
             assert error["param"] == param and error["code"] == "invalid_value"
             assert "max_waiting_requests" in error["message"] and "2" in error["message"]
         assert httpx.get(f"{url}/v1/engine/stats").json()["waiting"] == 0
-    # the case, through the SDK that retries 429s: 3 prompts x n=128 on an idle server (limit 256)
+    # the reported case, through the SDK that retries 429s: 3 prompts x n=128 on an idle server (limit 256)
     sdk = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=2)
     with pytest.raises(openai.BadRequestError) as e:
         sdk.completions.create(model="demo", prompt=PROMPTS[:3], n=128, max_tokens=1)
