@@ -8,12 +8,10 @@ PagedAttention", SOSP) and keeps the softmax online, tile by tile, in registers 
 "FlashAttention", NeurIPS; Dao 2023, "FlashAttention-2"): scores never reach memory, and each key and
 value is read from the pool once per query tile.
 
-In reading order: where the kernel can run (``triton_usable``), the kernel, its launcher
-``paged_attention`` (tile sizes, grid, input checks), ``warm_up`` (compiles at engine start every
-variant the engine can launch), and ``paged_attention_reference``, the same attention in plain PyTorch
-that the tests and benchmarks compare against. Flash-decoding (keys split across programs, for contexts
-beyond GPT-2's 1,024-token window) and the KV write as a kernel are in flash_decoding.py, an exercise the
-engine does not import.
+In reading order: ``triton_usable``, the kernel, its launcher ``paged_attention`` (tiles, grid, input
+checks), ``warm_up`` (compiles the engine's variants at start) and ``paged_attention_reference`` (plain
+PyTorch, for tests and benchmarks). Split-K decode (flash_decoding.py) and the KV write as a kernel
+(kv_write.py) are exercises beyond GPT-2's window that the engine does not import.
 
 Shapes: N new tokens in the batch, S sequences, H heads, D head size, L a sequence's length (cached + new),
 num_blocks x block_size slots in the pool, M block-table entries per sequence.
@@ -46,8 +44,7 @@ def triton_usable(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or isinstance(tl.zeros, InterpretedFunction)
 
 
-# Triton's interpreter (CPU) holds bfloat16 as 16-bit integers and multiplies their bit patterns in tl.dot:
-# the results are garbage, with no error (triton-lang/triton#11584, "not supported yet").
+# The interpreter multiplies bfloat16 bit patterns in tl.dot: garbage, no error (triton-lang/triton#11584).
 CPU_BF16_UNSUPPORTED = (
     "Triton's interpreter (the kernels on a CPU) computes bfloat16 dot products wrongly "
     "(triton-lang/triton#11584); on a CPU use float32 or float16, or the torch backend"
@@ -62,15 +59,12 @@ def _check_usable(device: torch.device) -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The kernel
-
+# ---- the kernel --------------------------------------------------------------------------------------------
 
 # Triton compiles a kernel again for each new "kind" of argument: an int equal to 1, a multiple of 16 or
-# neither, a pointer 16-byte aligned or not. The batch's sequence count and the block table's row stride
-# (its width) change from step to step, and the engine's small int tensors are slices of one packed copy,
-# whose alignment changes with the batch: each new kind would stall a step for a compilation (about a
-# second) while a server runs. None of these is specialised (a name a kernel lacks is ignored).
+# neither, a pointer 16-byte aligned or not. The sequence count, the block table's row stride and the
+# alignment of the engine's int tensors (slices of one packed copy) change from step to step: each new kind
+# would stall a serving step for a compilation (about a second). None is specialised (unknown names ignored).
 NOT_SPECIALISED = dict(
     do_not_specialize=["num_seqs", "stride_bts"],
     do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"],
@@ -211,9 +205,7 @@ def _paged_attention_kernel(
     )
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The launcher
-
+# ---- the launcher ------------------------------------------------------------------------------------------
 
 # A query run of each row of the tile table below: warm_up compiles each once.
 TILE_TABLE_QUERY_LENS = (1, 64, 128)
@@ -371,8 +363,7 @@ def warm_up(
         paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, query_len)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The reference
+# ---- the reference -----------------------------------------------------------------------------------------
 
 
 def paged_attention_reference(
