@@ -91,7 +91,7 @@ UNION_HINTS = {
 class _Body(BaseModel):
     # strict: "16" is not an integer, true is not a number (OpenAI's API refuses them too); unknown fields
     # are ignored, as vLLM does (OpenAI's newer fields the engine has no use for, such as "user")
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)  # NaN, Infinity: refused
 
 
 class StreamOptions(_Body):

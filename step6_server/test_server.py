@@ -605,6 +605,17 @@ def test_context_error_names_both_counts_and_the_sdk_raises_bad_request(client):
     )
 
 
+def test_a_number_that_is_not_finite_is_refused_as_such(served):
+    """Python's JSON reader takes NaN and Infinity: they get 400 saying the number must be finite (not that
+    it is over a bound it does not compare with)."""
+    for raw in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}'):
+        r = httpx.post(
+            f"{served.url}/v1/completions", content=raw, headers={"Content-Type": "application/json"}
+        )
+        error = r.json()["error"]
+        assert r.status_code == 400 and "finite" in error["message"], error
+
+
 def test_method_not_allowed_and_body_too_large(served):
     r = httpx.get(f"{served.url}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
