@@ -106,7 +106,7 @@ class LLMEngine:
             return
         if seq in self.waiting:
             self.waiting.remove(seq)
-        else:
+        elif seq in self.running:  # neither when an interrupt (Ctrl-C) landed inside step()'s hand-over
             self.running.remove(seq)
         seq.finish("abort")
         self.aborted.append(seq.output())

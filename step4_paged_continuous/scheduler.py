@@ -115,8 +115,10 @@ class Scheduler:
         """Remove a request, waiting or running, freeing its blocks at once."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-        else:
+        elif seq in self.running:
             self.finish(seq)
+        elif seq.request_id in self.block_manager.block_tables:  # an interrupt (Ctrl-C) inside schedule()
+            self.block_manager.free(seq.request_id)
 
     def make_stats(self) -> SchedulerStats:
         blocks = self.block_manager
