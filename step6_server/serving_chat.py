@@ -7,7 +7,6 @@ transcript, and the reply is the model's continuation of it. Source: vLLM's
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -72,12 +71,7 @@ async def create_chat_completion(
         EngineRequest(f"{rid}-{j}", ids, serving.sampling_params(req, max_tokens, j, top_n, [CHAT_STOP]), j)
         for j in range(req.n)
     ]
-    head = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": serving.served_model_name,
-    }
+    head = serving.response_head(rid, "chat.completion")
     stream = serving.submit(engine_requests)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

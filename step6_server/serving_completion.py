@@ -7,7 +7,6 @@ index = prompt index * n + choice, as OpenAI's. Source: vLLM's
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -48,12 +47,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
             engine_requests.append(EngineRequest(f"{rid}-{i * req.n + j}", ids, params, i * req.n + j))
     echo = {r.index: prompt_texts[r.index // req.n] if req.echo else "" for r in engine_requests}
     prompt_tokens = sum(prompt_lens)
-    head = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": serving.served_model_name,
-    }
+    head = serving.response_head(rid, "text_completion")
     stream = serving.submit(engine_requests)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -228,6 +228,15 @@ class OpenAIServing:
                 "n" if n > 1 else "prompt",
             )
 
+    def response_head(self, response_id: str, obj: str) -> dict:
+        """The fields every response object (and every chunk) of one request starts with."""
+        return {
+            "id": response_id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.served_model_name,
+        }
+
     def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Hand the requests to the engine loop; APIError 503 if the loop is dead, 429 if the queue is
         full."""
