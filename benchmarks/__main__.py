@@ -46,6 +46,10 @@ BENCHMARKS = {
         "benchmarks.server",
         "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson",
     ),
+    "server_steps": (
+        "benchmarks.server_steps",
+        "the servers of steps 6-9 side by side: tok/s, TTFT, ITL at 1, 16, 64 streams",
+    ),
 }
 
 

@@ -421,16 +421,17 @@ def summarise(run: dict) -> dict:
 
 
 class ServerProcess:
-    """``python -m step6_server`` on a free loopback port for the duration of a ``with`` block; yields its
-    URL.
+    """``python -m <package>`` (step 6's server or a later step's) on a free loopback port for the duration
+    of a ``with`` block; yields its URL. ``extra``: more command-line flags.
 
     Raises ConnectionError if the server does not start (its stderr in the message)."""
 
-    def __init__(self, folder: Path, device: str):
+    def __init__(self, folder: Path, device: str, package: str = "step6_server", extra: tuple[str, ...] = ()):
+        self.package = package
         self.args = [
             sys.executable,
             "-m",
-            "step6_server",
+            package,
             "--model",
             str(folder),
             "--device",
@@ -443,6 +444,7 @@ class ServerProcess:
             str(BLOCK_SIZE),
             "--max-waiting-requests",
             "100000",
+            *extra,  # later flags win: --max-num-seqs, --dtype, ...
         ]
 
     def __enter__(self) -> str:
@@ -465,7 +467,7 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             self.stderr.seek(0)
-            raise ConnectionError(f"step6_server did not start: {line}{self.stderr.read()[-2000:]}")
+            raise ConnectionError(f"{self.package} did not start: {line}{self.stderr.read()[-2000:]}")
         return found.group(0)
 
     def __exit__(self, *exc) -> None:
