@@ -110,8 +110,9 @@ ENGINES = {
     "step2": "step2_kvcache.LLM.generate: one request at a time (B = 1 only)",
     "step3": "step3_static_batch.LLM(max_batch_size=B).generate: one static batch",
     "step4": f"step4_paged_continuous.LLM(max_num_seqs=B, block_size={BLOCK_SIZE}, num_kv_blocks = B x the "
-    "blocks of the longest request of all workloads; max_num_batched_tokens: the engine's default)"
-    ".generate: no preemption",
+    "blocks of the longest request of all workloads, max_num_batched_tokens = B x the longest prompt of "
+    "all workloads: every prompt is admitted in the first step, as HF and step 3 prefill them in one "
+    "forward pass).generate: no preemption",
     "step5": "step5_flash_gpu.LLM with step4's arguments (attention_backend: its default).generate",
     "step7": "step7_cuda_graphs.LLM with step4's arguments (CUDA graphs captured at start-up).generate",
 }
@@ -356,6 +357,7 @@ def bench_model(
         hf_config = transformers.GPT2Config.from_pretrained(folder)
         parameters = sum(p.numel() for p in transformers.GPT2LMHeadModel(hf_config).parameters())
     longest = max(w["prompt_tokens"] + w["max_tokens"] for w in lengths.values())
+    longest_prompt = max(w["prompt_tokens"] for w in lengths.values())
     blocks_per_seq = -(-longest // BLOCK_SIZE)
     out = {
         "snapshot": str(folder),
@@ -392,6 +394,7 @@ def bench_model(
                         block_size=BLOCK_SIZE,
                         max_num_seqs=b,
                         num_kv_blocks=b * blocks_per_seq,
+                        max_num_batched_tokens=max(b * longest_prompt, config.n_positions),
                     )
             for wname, wanted in by_workload.items():
                 w = lengths[wname]
