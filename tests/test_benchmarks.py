@@ -347,6 +347,7 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     model = written["models"][tiny_model]
     step5 = importlib.util.find_spec("step5_flash_gpu") is not None
     step7 = importlib.util.find_spec("step7_cuda_graphs") is not None
+    step8 = importlib.util.find_spec("step8_async_scheduling") is not None
     assert ("step5" in model["skipped"]) is not step5  # skipped, and said so, while the package is missing
 
     # one point per batch size and workload; step 2 at B = 1 only; every run generates exactly what it asks
@@ -364,6 +365,7 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
                 | ({"step2"} if b == 1 else set())
                 | ({"step5"} if step5 else set())
                 | ({"step7"} if step7 else set())
+                | ({"step8"} if step8 else set())
             )
             assert set(point["ratios"]) >= {f"{e}/hf" for e in engines - {"hf"}}
         else:
@@ -380,10 +382,10 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
         floor = point["memory_floor"]
         assert floor["weight_bytes"] == 4 * model["parameters"] and floor["throughput_tok_s"] > 0
 
-    # the profiles: the top functions of steps 4, 5 and 7's engines, by own and by cumulative time
+    # the profiles: the top functions of steps 4, 5, 7 and 8's engines, by own and by cumulative time
     assert set(model["profiles"]) == {"step4"} | ({"step5"} if step5 else set()) | (
         {"step7"} if step7 else set()
-    )
+    ) | ({"step8"} if step8 else set())
     for engine, prof in model["profiles"].items():
         assert prof["requests"] == 2 and prof["steps"] == 3 and len(prof["top_tottime"]) == 5
         own = [r["tottime_s"] for r in prof["top_tottime"]]
