@@ -1,4 +1,4 @@
-"""Step 8: overlapped (async) scheduling: the host prepares step N+1 while the GPU runs step N, over step 7."""
+"""Step 8: async scheduling: the host prepares step N+1 while the GPU runs step N, on top of step 7."""
 
 from .api_server import build_app
 from .block_manager import BlockManager
