@@ -46,6 +46,10 @@ BENCHMARKS = {
         "benchmarks.overlap_profile",
         "step8's async scheduling vs step7: GPU idle between decode steps (torch.profiler), ms/step",
     ),
+    "async_serving": (
+        "benchmarks.async_serving",
+        "step8 vs step7 behind HTTP: TTFT and ITL at 1, 16, 64 streams",
+    ),
     "server": (
         "benchmarks.server",
         "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson",

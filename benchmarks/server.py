@@ -422,15 +422,23 @@ def summarise(run: dict) -> dict:
 
 class ServerProcess:
     """``python -m step6_server`` on a free loopback port for the duration of a ``with`` block; yields its
-    URL.
+    URL. package: another step's server instead (step 7 on); flags: more command-line flags.
 
     Raises ConnectionError if the server does not start (its stderr in the message)."""
 
-    def __init__(self, folder: Path, device: str):
+    def __init__(
+        self,
+        folder: Path,
+        device: str,
+        package: str = "step6_server",
+        flags: tuple[str, ...] = (),
+        max_num_seqs: int = MAX_NUM_SEQS,
+    ):
+        self.package = package
         self.args = [
             sys.executable,
             "-m",
-            "step6_server",
+            package,
             "--model",
             str(folder),
             "--device",
@@ -438,11 +446,12 @@ class ServerProcess:
             "--port",
             "0",
             "--max-num-seqs",
-            str(MAX_NUM_SEQS),
+            str(max_num_seqs),
             "--block-size",
             str(BLOCK_SIZE),
             "--max-waiting-requests",
             "100000",
+            *flags,
         ]
 
     def __enter__(self) -> str:
@@ -465,7 +474,7 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             self.stderr.seek(0)
-            raise ConnectionError(f"step6_server did not start: {line}{self.stderr.read()[-2000:]}")
+            raise ConnectionError(f"{self.package} did not start: {line}{self.stderr.read()[-2000:]}")
         return found.group(0)
 
     def __exit__(self, *exc) -> None:
