@@ -42,6 +42,10 @@ BENCHMARKS = {
         "benchmarks.cuda_graphs",
         "step7's CUDA graphs: kernels per step, a decode step's breakdown, replay vs eager, the ladder",
     ),
+    "overlap_profile": (
+        "benchmarks.overlap_profile",
+        "step8's async scheduling vs step7: GPU idle between decode steps (torch.profiler), ms/step",
+    ),
     "server": (
         "benchmarks.server",
         "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson",

@@ -1,13 +1,14 @@
-"""Steps 2 to 5 and 7 on a GPU against Hugging Face's generate: what each stage buys where serving happens.
+"""Steps 2 to 5, 7 and 8 on a GPU against Hugging Face's generate: what each stage buys where serving happens.
 
 End to end through each engine's ``LLM.generate`` (the engine's own Python included), on GPT-2 124M's
 shape with random weights, greedy, ``ignore_eos``, B = 1, 8, 64, 256 requests of one length submitted at
 once, workloads ``short`` (32 + 128 tokens) and ``long`` (512 + 256), in fp16, fp32 and bf16 (``MATRIX``).
 Engines: ``hf`` (batched generate), ``hf_static`` (the same with a static cache, its decode compiled on a
 GPU: HF's fastest documented path; fp16), ``step2`` (B = 1), ``step3``, ``step4``, ``step5``, ``step7``
-(CUDA graphs) (``ENGINES``). Each point: a whole untimed run of every engine, then alternated runs;
-throughput and ms per token beside the memory floor (weights and KV bytes per step over the measured copy
-bandwidth). Then cProfile of steps 4, 5 and 7's engines at B = 256, and the dtype study (``DTYPE_STUDY``).
+(CUDA graphs), ``step8`` (async scheduling) (``ENGINES``). Each point: a whole untimed run of every engine,
+then alternated runs; throughput and ms per token beside the memory floor (weights and KV bytes per step
+over the measured copy bandwidth). Then cProfile of steps 4, 5, 7 and 8's engines at B = 256, and the dtype
+study (``DTYPE_STUDY``).
 ``--dtype`` and ``--workload`` run one part and merge it into the recorded JSON (``merge_into``). Details
 and the JSON layout: benchmarks/README.md.
 
@@ -42,10 +43,11 @@ WORKLOADS = {
     "short": {"prompt_tokens": 32, "max_tokens": 128},
     "long": {"prompt_tokens": 512, "max_tokens": 256},
 }
-ENGINE_NAMES = ("hf", "hf_static", "step2", "step3", "step4", "step5", "step7")
-# dtype -> workload -> the engines that run it (step5, step7 where their packages exist). A whole run takes
-# about 18 minutes on an H200 without hf_static (which compiles at every point); `--dtype` and `--workload`
-# run a part and merge it into the recorded JSON. hf_static runs in the serving dtype only.
+ENGINE_NAMES = ("hf", "hf_static", "step2", "step3", "step4", "step5", "step7", "step8")
+# dtype -> workload -> the engines that run it (step5, step7, step8 where their packages exist). A whole run
+# takes about 18 minutes on an H200 without hf_static (which compiles at every point; step 8 adds a few);
+# `--dtype` and `--workload` run a part and merge it into the recorded JSON. hf_static runs in the serving
+# dtype only.
 MATRIX = {
     dtype: {"short": engines, "long": engines}
     for dtype, engines in (
@@ -60,12 +62,13 @@ STEP_PACKAGES = {
     "step4": "step4_paged_continuous",
     "step5": "step5_flash_gpu",
     "step7": "step7_cuda_graphs",
+    "step8": "step8_async_scheduling",
 }
 STEP2_MAX_BATCH = 1  # step 2 serves one request at a time: it runs at B = 1 only
 BLOCK_SIZE = 16
 TOKEN_ID_SEED = 3000
 PROFILE = {
-    "engines": ("step4", "step5", "step7"),
+    "engines": ("step4", "step5", "step7", "step8"),
     "dtype": "float16",
     "batch_size": 256,
     "workload": "short",
@@ -115,6 +118,8 @@ ENGINES = {
     "forward pass).generate: no preemption",
     "step5": "step5_flash_gpu.LLM with step4's arguments (attention_backend: its default).generate",
     "step7": "step7_cuda_graphs.LLM with step4's arguments (CUDA graphs captured at start-up).generate",
+    "step8": "step8_async_scheduling.LLM with step4's arguments (CUDA graphs; async_scheduling: its default, "
+    "on with CUDA, off on a CPU).generate",
 }
 HF_STATIC_RECOMPILE_LIMIT = 64  # torch._dynamo's default (8) would fall back to eager after 8 shapes
 
@@ -385,7 +390,7 @@ def bench_model(
                 llms["step3"] = modules["step3"].LLM(
                     model=str(folder), device=device, dtype=dtype, max_batch_size=b
                 )
-            for e in ("step4", "step5", "step7"):
+            for e in ("step4", "step5", "step7", "step8"):
                 if e in engines:
                     llms[e] = modules[e].LLM(
                         model=str(folder),
@@ -482,6 +487,7 @@ def measure(
     raw = harness.alternate(calls, runs, warmup=1)
     ratios = {f"{e}/hf": (e, "hf", "throughput_tok_s") for e in raw if e != "hf" and "hf" in raw}
     pairs = [("step5", "step4"), ("step7", "hf_static"), ("step7", "step3"), ("step7", "step5")]
+    pairs += [("step8", "hf_static"), ("step8", "step7")]
     ratios |= {f"{a}/{b}": (a, b, "throughput_tok_s") for a, b in pairs if {a, b} <= set(raw)}
     return serving.compare(raw, ratios)
 
@@ -805,6 +811,7 @@ def plot(result: dict, path: Path) -> Path:
         "step4": "C2",
         "step5": "C3",
         "step7": "C4",
+        "step8": "C5",
     }
     grid = [
         (name, key, points)

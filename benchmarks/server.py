@@ -439,7 +439,7 @@ class ServerProcess:
             "--port",
             "0",
             "--max-num-seqs",
-            str(MAX_NUM_SEQS),
+            str(max_num_seqs),
             "--block-size",
             str(BLOCK_SIZE),
             "--max-waiting-requests",

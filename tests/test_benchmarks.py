@@ -19,6 +19,7 @@ from benchmarks import (
     gpu,
     harness,
     kvcache,
+    overlap_profile,
     server,
     static_batch,
     workloads,
@@ -347,6 +348,7 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     model = written["models"][tiny_model]
     step5 = importlib.util.find_spec("step5_flash_gpu") is not None
     step7 = importlib.util.find_spec("step7_cuda_graphs") is not None
+    step8 = importlib.util.find_spec("step8_async_scheduling") is not None
     assert ("step5" in model["skipped"]) is not step5  # skipped, and said so, while the package is missing
 
     # one point per batch size and workload; step 2 at B = 1 only; every run generates exactly what it asks
@@ -364,6 +366,7 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
                 | ({"step2"} if b == 1 else set())
                 | ({"step5"} if step5 else set())
                 | ({"step7"} if step7 else set())
+                | ({"step8"} if step8 else set())
             )
             assert set(point["ratios"]) >= {f"{e}/hf" for e in engines - {"hf"}}
         else:
@@ -380,10 +383,10 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
         floor = point["memory_floor"]
         assert floor["weight_bytes"] == 4 * model["parameters"] and floor["throughput_tok_s"] > 0
 
-    # the profiles: the top functions of steps 4, 5 and 7's engines, by own and by cumulative time
+    # the profiles: the top functions of steps 4, 5, 7 and 8's engines, by own and by cumulative time
     assert set(model["profiles"]) == {"step4"} | ({"step5"} if step5 else set()) | (
         {"step7"} if step7 else set()
-    )
+    ) | ({"step8"} if step8 else set())
     for engine, prof in model["profiles"].items():
         assert prof["requests"] == 2 and prof["steps"] == 3 and len(prof["top_tottime"]) == 5
         own = [r["tottime_s"] for r in prof["top_tottime"]]
@@ -545,6 +548,40 @@ def test_cuda_graphs_benchmark_breaks_a_step_down(tiny_model, tmp_path):
         assert sum(host[k] for k in cuda_graphs.PHASES) == pytest.approx(host["step"])
         assert point["decode_tok_s"] == pytest.approx(point["batch_size"] / host["step"])
     assert "per decode step" in cuda_graphs.report(written)
+
+
+def test_overlap_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):
+    """A synthetic trace: each GPU activity goes to the step whose host range holds its launch; the gap
+    runs from a step's last activity to the next step's first. Then a run on a CPU: no GPU timeline."""
+
+    def event(cat: str, ts: float, dur: float, correlation: int | None = None, name: str = "") -> dict:
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args={"correlation": correlation})
+
+    events = [event("user_annotation", 100 * i, 100, name=f"decode_step_{i}") for i in range(3)]
+    events += [event("cuda_runtime", ts, 1, c) for c, ts in ((1, 10), (2, 110), (3, 210))]
+    events += [event("cuda_driver", 20, 1, 4)]  # a Triton kernel's launch
+    events += [event("kernel", 50, 30, 1), event("kernel", 85, 10, 4), event("gpu_memcpy", 120, 5, 2)]
+    events += [event("kernel", 125, 60, 2), event("kernel", 200, 50, 3), event("kernel", 0, 500, 99)]
+    gaps = overlap_profile.step_gaps({"traceEvents": events})
+    assert [(s["first_us"], s["last_us"], s["busy_us"]) for s in gaps["gpu_steps"]] == [
+        (50, 95, 40),
+        (120, 185, 65),
+        (200, 250, 50),
+    ]
+    assert [(s["gap_us"], s["period_us"]) for s in gaps["gpu_steps"][:2]] == [(25, 70), (15, 80)]
+    assert gaps["idle_between_steps_share"] == pytest.approx((25 / 70 + 15 / 80) / 2)
+    assert gaps["gpu_busy_share"] == pytest.approx(105 / 150) and gaps["host_ms_per_step_profiled"] == 0.1
+
+    spec = {**overlap_profile.QUICK, "batch_size": 2, "workload": {"prompt_tokens": 4, "max_tokens": 8}}
+    result = overlap_profile.run([tiny_model], "cpu", spec, quick=True, out_dir=tmp_path)
+    written = json.loads((tmp_path / "quick" / "overlap_profile-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    engines = written["models"][tiny_model]["engines"]
+    assert set(engines) == {"step7", "step8"}
+    for point in engines.values():
+        assert point["ms_per_step"] > 0 and len(point["host_ranges_us"]) == spec["steps"]
+        assert point["gpu_steps"] == [] and point["idle_between_steps_share"] is None
+    assert "GPU idle between steps" in overlap_profile.report(written)
 
 
 def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_path):

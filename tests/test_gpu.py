@@ -4,7 +4,7 @@ fp32 on the GPU: greedy ids identical to the CPU's. fp16 (README.md's tier): at 
 fp16 run and the fp32 reference differ, each side's token is among the other side's top-5 candidates.
 Host synchronisation: one engine step of the batching engines (steps 3, 4, 5 and 7, whose decode steps
 replay CUDA graphs) waits for the GPU exactly once, when the sampled ids of the whole batch come back
-(SYNC_BUDGET).
+(SYNC_BUDGET). Step 8's steps wait on events only (its own test, test_async_scheduling.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ STEPS = [
     "step4_paged_continuous",
     "step5_flash_gpu",
     "step7_cuda_graphs",
+    "step8_async_scheduling",
 ]
 PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised"]
 
@@ -70,7 +71,9 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
         assert b.outputs[0].token_ids[i] in ref_top and a.outputs[0].token_ids[i] in low_top, (prompt, i)
 
 
-@pytest.mark.parametrize("step", ["step2_kvcache", "step4_paged_continuous", "step7_cuda_graphs"])
+@pytest.mark.parametrize(
+    "step", ["step2_kvcache", "step4_paged_continuous", "step7_cuda_graphs", "step8_async_scheduling"]
+)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_agrees_in_top5(step, dtype, demo_snapshot):
     top5_agree(step, demo_snapshot, dtype)

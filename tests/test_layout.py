@@ -94,10 +94,35 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_chat.py",
         "metrics.py",
     ],
+    # step 8 changes the engine's step, the model runner's launch, the input buffers and the arguments (and
+    # the CLI's flag, the package's name): the scheduler, the sampler, the sequence and the graphs stay
+    "step8_async_scheduling": [
+        "sampling_params.py",
+        "sampler.py",
+        "sequence.py",
+        "llm.py",
+        "scheduler.py",
+        "block_manager.py",
+        "kv_cache.py",
+        "model.py",
+        "kernels.py",
+        "flash_decoding.py",
+        "kv_write.py",
+        "cuda_graph.py",
+        "async_engine.py",
+        "protocol.py",
+        "serving_engine.py",
+        "serving_completion.py",
+        "serving_chat.py",
+        "metrics.py",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
-MECHANISM_TESTS = {"step7_cuda_graphs": "test_cuda_graphs.py"}
+MECHANISM_TESTS = {
+    "step7_cuda_graphs": "test_cuda_graphs.py",
+    "step8_async_scheduling": "test_async_scheduling.py",
+}
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
 CONCEPT_FILES = [
@@ -123,6 +148,7 @@ def test_layout():
         "step5_flash_gpu",
         "step6_server",
         "step7_cuda_graphs",
+        "step8_async_scheduling",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
