@@ -439,7 +439,7 @@ class ServerProcess:
             "--port",
             "0",
             "--max-num-seqs",
-            str(max_num_seqs),
+            str(MAX_NUM_SEQS),
             "--block-size",
             str(BLOCK_SIZE),
             "--max-waiting-requests",
