@@ -46,6 +46,10 @@ BENCHMARKS = {
         "benchmarks.server",
         "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson",
     ),
+    "prefix_cache": (
+        "benchmarks.prefix_cache",
+        "step9's prefix cache vs the engine without it: shared-prefix and unique workloads, TTFT, hits",
+    ),
 }
 
 
