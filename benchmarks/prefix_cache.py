@@ -1,8 +1,10 @@
 """Step 9's benchmark: prefix caching on a shared-prefix workload and on one that shares nothing.
 
-Two workloads of 64 requests arriving as a Poisson process (fixed seed), greedy, ``ignore_eos``:
-``shared`` (a 384-token system prompt every request starts with, then 32 tokens of its own, 64 generated)
-and ``unique`` (the same lengths and arrivals, every prompt its own). Engines, alternated within each
+Two workloads of requests arriving as a Poisson process (fixed seed), greedy, ``ignore_eos``: ``shared``
+(a 384-token system prompt every request starts with, then 32 tokens of its own) and ``unique`` (the same
+lengths and arrivals, every prompt its own). On a GPU: 64 requests generating 64 tokens at 200 per second;
+on the CPU, to stay within about 5 minutes on 2 cores: 32 requests generating 16 tokens at 8 per second
+(the prompts unshrunk: 416 tokens fit the demo checkpoint's 512-token window). Engines, alternated within each
 run: ``step9`` (``step9_prefix_cache.LLMEngine``, prefix caching on) and ``baseline`` (the same engine with
 ``enable_prefix_caching=False``: a stand-in for step 8, which the JSON says; swap in step 8's engine in
 ``ENGINES`` when it exists). Each run draws new token ids (the same for both engines), so nothing is cached
@@ -10,7 +12,7 @@ from an earlier run or the warm-up: the system prompt is cold when a run starts.
 p99, throughput (generated tokens / wall time), the prefix-cache hit rate (tokens) and the prefill tokens
 computed (prompt tokens admitted - found cached, recomputation after preemption included).
 
-    python -m benchmarks prefix_cache                    # CPU: the demo checkpoint, 3 runs (~4 min, 2 cores)
+    python -m benchmarks prefix_cache                    # CPU: the demo checkpoint, 3 runs (~3 min, 2 cores)
     python -m benchmarks prefix_cache --device cuda      # GPT-2 124M shapes, random weights, fp16
 """
 
@@ -27,8 +29,10 @@ from .workloads import Request
 NAME = "prefix_cache"
 DEFAULT_MODELS = ["demo"]  # on cuda: gpt2-124m-random (see main)
 DEFAULT_RUNS = 3
-SHARED_TOKENS, OWN_TOKENS, MAX_TOKENS, NUM_REQUESTS = 384, 32, 64, 64
-ARRIVAL_RATE_PER_S = {"cpu": 4.0, "cuda": 200.0}  # requests per second: a busy engine, on either device
+SHARED_TOKENS, OWN_TOKENS = 384, 32
+NUM_REQUESTS = {"cpu": 32, "cuda": 64}
+MAX_TOKENS = {"cpu": 16, "cuda": 64}
+ARRIVAL_RATE_PER_S = {"cpu": 8.0, "cuda": 200.0}  # requests per second: more than the baseline keeps up with
 MAX_NUM_SEQS = {"cpu": 8, "cuda": 32}
 BLOCK_SIZE = 16
 ARRIVAL_SEED, TOKEN_SEED = 0, 9000
@@ -63,7 +67,7 @@ def main(
     """The CLI entry (``python -m benchmarks prefix_cache``)."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     models = models or (["gpt2-124m-random"] if kind == "cuda" else DEFAULT_MODELS)
-    size = QUICK if quick else {"num_requests": NUM_REQUESTS, "max_tokens": MAX_TOKENS}
+    size = QUICK if quick else {"num_requests": NUM_REQUESTS[kind], "max_tokens": MAX_TOKENS[kind]}
     return run(models, device, 1 if quick else runs, quick=quick, **size)
 
 
@@ -71,8 +75,8 @@ def run(
     models: list[str],
     device: str = "cpu",
     runs: int = DEFAULT_RUNS,
-    num_requests: int = NUM_REQUESTS,
-    max_tokens: int = MAX_TOKENS,
+    num_requests: int = NUM_REQUESTS["cpu"],
+    max_tokens: int = MAX_TOKENS["cpu"],
     quick: bool = False,
     out_dir: Path = harness.RESULTS,
 ) -> dict:

@@ -131,17 +131,18 @@ class BlockManager:
         self.block_tables[child_id] = list(self.block_tables[parent_id])
         self.block_hashes[child_id] = list(self.block_hashes[parent_id])
 
-    def can_append(self, seq: Sequence) -> bool:
+    def can_append(self, seq_id: str, num_tokens: int) -> bool:
         """Whether ``append`` finds the block it may need (a new one, or a copy) free."""
-        return self._append_needs_block(seq) is None or self.num_free_blocks > 0
+        return self._append_needs_block(seq_id, num_tokens) is None or self.num_free_blocks > 0
 
-    def append(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make room for the token at position len(seq) - 1, which this step writes (a decode): a new
-        block if it starts one; if it lands in a block that other sequences share, a copy of that block
-        for this one (copy-on-write). Returns the copy to make before the write, (source, destination)
-        block ids, or None. Raises RuntimeError if no block is free (check ``can_append``)."""
-        table = self.block_tables[seq.request_id]
-        needs = self._append_needs_block(seq)
+    def append(self, seq_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode,
+        which writes position num_tokens - 1): a new block if that position starts one; if it lands in a
+        block that other sequences share, a copy of that block for this one (copy-on-write). Returns the
+        copy to make before the write, (source, destination) block ids, or None. Raises RuntimeError if no
+        block is free (check ``can_append``)."""
+        table = self.block_tables[seq_id]
+        needs = self._append_needs_block(seq_id, num_tokens)
         if needs == "new":
             table.extend(self._take(1))
         elif needs == "copy":
@@ -189,11 +190,11 @@ class BlockManager:
         table, size = self.block_tables[seq_id], self.block_size
         return [table[p // size] * size + p % size for p in range(start, end)]
 
-    def _append_needs_block(self, seq: Sequence) -> str | None:
-        """ "new" if position len(seq) - 1 starts a new block, "copy" if it lands in a block that others
-        share, else None."""
-        table = self.block_tables[seq.request_id]
-        if len(seq) > len(table) * self.block_size:
+    def _append_needs_block(self, seq_id: str, num_tokens: int) -> str | None:
+        """What writing position num_tokens - 1 needs: "new" if it starts a new block, "copy" if it lands
+        in a block that others share, else None."""
+        table = self.block_tables[seq_id]
+        if num_tokens > len(table) * self.block_size:
             return "new"
         return "copy" if self.blocks[table[-1]].ref_count > 1 else None
 

@@ -58,8 +58,9 @@ class PagedKVCache:
         if not blocks_to_copy:
             return
         device = self.k[0].device
-        src = torch.tensor([s for s, _ in blocks_to_copy], device=device)  # [B]
-        dst = torch.tensor([d for _, d in blocks_to_copy], device=device)  # [B]
+        # from pinned memory, without waiting: the host does not wait for the steps still on the device
+        pairs = torch.tensor(blocks_to_copy, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        src, dst = pairs[:, 0], pairs[:, 1]  # [B], [B]
         for k, v in zip(self.k, self.v):
             k[dst] = k[src]  # [B, block_size, H, D]
             v[dst] = v[src]

@@ -107,8 +107,8 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if blocks.can_append(seq):
-                if (copy := blocks.append(seq)) is not None:
+            if blocks.can_append(seq.request_id, len(seq)):
+                if (copy := blocks.append(seq.request_id, len(seq))) is not None:
                     out.blocks_to_copy[seq.request_id] = copy
                 out.decodes.append(seq)
                 i += 1

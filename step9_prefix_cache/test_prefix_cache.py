@@ -129,9 +129,11 @@ def test_fork_and_copy_on_write():
     for seq in (p, q):
         seq.token_ids.append(7)  # position 6 lands in the shared block
     shared = bm.block_tables["p"][1]
-    copy = bm.append(p)
+    copy = bm.append("p", len(p))
     assert copy == (shared, bm.block_tables["p"][1]) and copy[1] != shared
-    assert bm.append(q) is None and bm.block_tables["q"][1] == shared  # the last holder writes in place
+    assert (
+        bm.append("q", len(q)) is None and bm.block_tables["q"][1] == shared
+    )  # the last holder writes in place
     check_blocks(bm)
 
 
