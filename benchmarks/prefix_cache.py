@@ -2,18 +2,22 @@
 
 Two workloads of requests arriving as a Poisson process (fixed seed), greedy, ``ignore_eos``: ``shared``
 (a 384-token system prompt every request starts with, then 32 tokens of its own) and ``unique`` (the same
-lengths and arrivals, every prompt its own). On a GPU: 64 requests generating 64 tokens at 200 per second;
-on the CPU, to stay within about 5 minutes on 2 cores: 32 requests generating 16 tokens at 8 per second
-(the prompts unshrunk: 416 tokens fit the demo checkpoint's 512-token window). Engines, alternated within each
-run: ``step9`` (``step9_prefix_cache.LLMEngine``, prefix caching on) and ``baseline`` (the same engine with
-``enable_prefix_caching=False``: a stand-in for step 8, which the JSON says; swap in step 8's engine in
-``ENGINES`` when it exists). Each run draws new token ids (the same for both engines), so nothing is cached
-from an earlier run or the warm-up: the system prompt is cold when a run starts. Figures: TTFT p50 and
-p99, throughput (generated tokens / wall time), the prefix-cache hit rate (tokens) and the prefill tokens
-computed (prompt tokens admitted - found cached, recomputation after preemption included).
+lengths and arrivals, every prompt its own); 64 requests generating 64 tokens, at 8 per second on the CPU
+(the demo checkpoint: 416 + 64 tokens fit its 512-token window) and 200 per second on a GPU. Engines,
+alternated within each run: ``step9`` (``step9_prefix_cache.LLMEngine``, prefix caching on) and
+``baseline`` (the same engine with ``enable_prefix_caching=False``: a stand-in for step 8, which the JSON
+says; swap in step 8's engine in ``ENGINES`` and ``bench_model`` when it exists). Each run draws new
+token ids (the same for both engines), so nothing is cached from an earlier run or the warm-up: the
+system prompt is cold when a run starts. Figures: TTFT p50 and p99, throughput (generated tokens / wall
+time), the prefix-cache hit rate (tokens) and the prefill tokens computed (prompt tokens admitted - found
+cached, recomputation after preemption included).
 
-    python -m benchmarks prefix_cache                    # CPU: the demo checkpoint, 3 runs (~3 min, 2 cores)
+    OMP_NUM_THREADS=1 python -m benchmarks prefix_cache   # CPU: the demo checkpoint, 3 runs (~3 min)
     python -m benchmarks prefix_cache --device cuda      # GPT-2 124M shapes, random weights, fp16
+
+On a CPU shared with other work, torch's two threads wait for each other at every operation (one small
+attention took 62 ms instead of 0.5 ms on this 2-core machine while other processes ran): one thread
+measures the engines, not the scheduler of the machine; the JSON records ``torch_threads``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ NAME = "prefix_cache"
 DEFAULT_MODELS = ["demo"]  # on cuda: gpt2-124m-random (see main)
 DEFAULT_RUNS = 3
 SHARED_TOKENS, OWN_TOKENS = 384, 32
-NUM_REQUESTS = {"cpu": 32, "cuda": 64}
-MAX_TOKENS = {"cpu": 16, "cuda": 64}
+NUM_REQUESTS = {"cpu": 64, "cuda": 64}
+MAX_TOKENS = {"cpu": 64, "cuda": 64}
 ARRIVAL_RATE_PER_S = {"cpu": 8.0, "cuda": 200.0}  # requests per second: more than the baseline keeps up with
 MAX_NUM_SEQS = {"cpu": 8, "cuda": 32}
 BLOCK_SIZE = 16
