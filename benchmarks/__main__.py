@@ -54,6 +54,10 @@ BENCHMARKS = {
         "benchmarks.server_steps",
         "the servers of steps 6-9 side by side: tok/s, TTFT, ITL at 1, 16, 64 streams",
     ),
+    "prefix_cache": (
+        "benchmarks.prefix_cache",
+        "step9's prefix cache vs the engine without it: shared-prefix and unique workloads, TTFT, hits",
+    ),
 }
 
 

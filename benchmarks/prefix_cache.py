@@ -1,0 +1,274 @@
+"""Step 9's benchmark: prefix caching on a shared-prefix workload and on one that shares nothing.
+
+Two workloads of requests arriving as a Poisson process (fixed seed), greedy, ``ignore_eos``: ``shared``
+(a 384-token system prompt every request starts with, then 32 tokens of its own) and ``unique`` (the same
+lengths and arrivals, every prompt its own); 64 requests generating 64 tokens, at 8 per second on the CPU
+(the demo checkpoint: 416 + 64 tokens fit its 512-token window) and 200 per second on a GPU. Engines,
+alternated within each run: ``step9`` (``step9_prefix_cache.LLMEngine``, prefix caching on) and
+``baseline`` (the same engine with ``enable_prefix_caching=False``: a stand-in for step 8, which the JSON
+says; swap in step 8's engine in ``ENGINES`` and ``bench_model`` when it exists). Each run draws new
+token ids (the same for both engines), so nothing is cached from an earlier run or the warm-up: the
+system prompt is cold when a run starts. Figures: TTFT p50 and p99, throughput (generated tokens / wall
+time), the prefix-cache hit rate (tokens) and the prefill tokens computed (prompt tokens admitted - found
+cached, recomputation after preemption included).
+
+    OMP_NUM_THREADS=1 python -m benchmarks prefix_cache   # CPU: the demo checkpoint, 3 runs (~3 min)
+    python -m benchmarks prefix_cache --device cuda      # GPT-2 124M shapes, random weights, fp16
+
+On a CPU shared with other work, torch's two threads wait for each other at every operation (one small
+attention took 62 ms instead of 0.5 ms on this 2-core machine while other processes ran): one thread
+measures the engines, not the scheduler of the machine; the JSON records ``torch_threads``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from . import harness, serving
+from .models import snapshot
+from .workloads import Request
+
+NAME = "prefix_cache"
+DEFAULT_MODELS = ["demo"]  # on cuda: gpt2-124m-random (see main)
+DEFAULT_RUNS = 3
+SHARED_TOKENS, OWN_TOKENS = 384, 32
+NUM_REQUESTS = {"cpu": 64, "cuda": 64}
+MAX_TOKENS = {"cpu": 64, "cuda": 64}
+ARRIVAL_RATE_PER_S = {"cpu": 8.0, "cuda": 200.0}  # requests per second: more than the baseline keeps up with
+MAX_NUM_SEQS = {"cpu": 8, "cuda": 32}
+BLOCK_SIZE = 16
+ARRIVAL_SEED, TOKEN_SEED = 0, 9000
+QUICK = {"num_requests": 8, "max_tokens": 8}
+ENGINES = {
+    "step9": "step9_prefix_cache.LLMEngine(block_size=16, max_num_seqs=B), prefix caching on (the default)",
+    "baseline": "step9_prefix_cache.LLMEngine(block_size=16, max_num_seqs=B, enable_prefix_caching=False): "
+    "a stand-in for step 8 (step 9 is step 8 plus the cache), until step 8's engine is swapped in",
+}
+
+
+def workload(kind: str, run: int, vocab_size: int, num_requests: int, max_tokens: int, rate: float) -> list:
+    """The requests of one run: ``kind`` "shared" (SHARED_TOKENS common tokens, then OWN_TOKENS of each
+    request's own) or "unique" (every prompt its own, the same lengths); Poisson arrivals at ``rate`` per
+    second (the same every run, seed ARRIVAL_SEED); token ids drawn from TOKEN_SEED + run, never the
+    end-of-text id (the last)."""
+    arrivals, t = random.Random(ARRIVAL_SEED), 0.0
+    ids = random.Random(TOKEN_SEED + run)
+    draw = lambda n: [ids.randrange(vocab_size - 1) for _ in range(n)]  # noqa: E731
+    shared = draw(SHARED_TOKENS)
+    requests = []
+    for i in range(num_requests):
+        prompt = (shared if kind == "shared" else draw(SHARED_TOKENS)) + draw(OWN_TOKENS)
+        requests.append(Request(i, prompt, max_tokens, t))
+        t += arrivals.expovariate(rate)
+    return requests
+
+
+def main(
+    models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False
+) -> dict:
+    """The CLI entry (``python -m benchmarks prefix_cache``)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    models = models or (["gpt2-124m-random"] if kind == "cuda" else DEFAULT_MODELS)
+    size = QUICK if quick else {"num_requests": NUM_REQUESTS[kind], "max_tokens": MAX_TOKENS[kind]}
+    return run(models, device, 1 if quick else runs, quick=quick, **size)
+
+
+def run(
+    models: list[str],
+    device: str = "cpu",
+    runs: int = DEFAULT_RUNS,
+    num_requests: int = NUM_REQUESTS["cpu"],
+    max_tokens: int = MAX_TOKENS["cpu"],
+    quick: bool = False,
+    out_dir: Path = harness.RESULTS,
+) -> dict:
+    """Both workloads on each model; write ``<out_dir>/prefix_cache-<device>.json`` and ``.png``."""
+    started = time.perf_counter()
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    dtype = "float16" if kind == "cuda" else "float32"
+    rate, max_num_seqs = ARRIVAL_RATE_PER_S[kind], MAX_NUM_SEQS[kind]
+    result = {
+        "benchmark": NAME,
+        "machine": harness.machine_info(device, dtype),
+        "workload": {
+            "shared": f"{num_requests} requests: the same {SHARED_TOKENS}-token system prompt, then "
+            f"{OWN_TOKENS} tokens of their own; {max_tokens} generated",
+            "unique": f"{num_requests} requests of {SHARED_TOKENS + OWN_TOKENS} tokens each their own; "
+            f"{max_tokens} generated",
+            "arrivals": f"Poisson, {rate} requests/s, random.Random({ARRIVAL_SEED}); the same every run",
+            "token_ids": f"uniform over the vocabulary but its last id, random.Random({TOKEN_SEED} + run): "
+            "new ones every run (nothing cached across runs), the same for both engines",
+            "sampling": "greedy, ignore_eos: every request generates exactly max_tokens",
+            "block_size": BLOCK_SIZE,
+            "max_num_seqs": max_num_seqs,
+            "runs": runs,
+            "warmup": "every engine once on the first 8 requests of run -1, at time 0, 4 new tokens, untimed",
+            "engines": ENGINES,
+            "baseline_is_a_stand_in": "baseline = step 9 without its cache, standing in for step 8",
+            "timing": "time.perf_counter from the start of the run; TTFT from each request's arrival; "
+            "engines alternated within each run (order rotated per run); medians over runs; ratios are "
+            "medians of per-run ratios",
+            "quick": quick,
+        },
+        "models": {},
+    }
+
+    def bench(name: str) -> dict:
+        return bench_model(name, device, dtype, runs, num_requests, max_tokens, rate, max_num_seqs)
+
+    harness.run_models(result, models, bench)
+    return harness.finish(NAME, device, result, started, plot, report, out_dir)
+
+
+def bench_model(
+    name: str,
+    device: str,
+    dtype: str,
+    runs: int,
+    num_requests: int,
+    max_tokens: int,
+    rate: float,
+    max_num_seqs: int,
+) -> dict:
+    import step9_prefix_cache as module
+
+    folder = snapshot(name)
+    engines = {
+        "step9": module.LLMEngine(
+            model=str(folder), device=device, dtype=dtype, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs
+        ),
+        "baseline": module.LLMEngine(
+            model=str(folder),
+            device=device,
+            dtype=dtype,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=False,
+        ),
+    }
+    vocab = engines["step9"].config.vocab_size
+    out = {"snapshot": str(folder), "config": {"n_positions": engines["step9"].config.n_positions}}
+    for kind in ("shared", "unique"):
+        print(f"  {kind}: {num_requests} requests, {rate}/s", flush=True)
+        warm = serving.warmup_requests(workload(kind, -1, vocab, 8, max_tokens, rate))
+        calls = {}
+        for engine_name, engine in engines.items():
+            serving.run_step4(engine, module, warm, device)
+            calls[engine_name] = measured(engine, module, kind, vocab, num_requests, max_tokens, rate, device)
+        raw = harness.alternate(calls, runs, warmup=0)
+        out[kind] = serving.compare(
+            raw,
+            {
+                "baseline/step9 ttft p50": ("baseline", "step9", "ttft_p50_s"),
+                "baseline/step9 ttft p99": ("baseline", "step9", "ttft_p99_s"),
+                "step9/baseline throughput": ("step9", "baseline", "throughput_tok_s"),
+                "step9/baseline prefill tokens": ("step9", "baseline", "prefill_tokens_computed"),
+            },
+        )
+    return out
+
+
+def measured(engine, module, kind: str, vocab: int, num_requests: int, max_tokens: int, rate: float, device):
+    """A call that runs the engine's next run of the workload and returns its figures, the prefix cache's
+    among them (a counter per engine: run i of both engines draws the same token ids)."""
+    count = iter(range(10**6))
+
+    def call() -> dict:
+        requests = workload(kind, next(count), vocab, num_requests, max_tokens, rate)
+        before = engine.stats
+        figures = serving.summarise(serving.run_step4(engine, module, requests, device))
+        after = engine.stats
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        hits = after.prefix_cache_hits - before.prefix_cache_hits
+        ttfts = [r["first_token_s"] - r["arrival_s"] for r in figures["requests"]]
+        return {
+            **figures,
+            "ttft_p99_s": harness.percentile(ttfts, 99),
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries,
+            "prefill_tokens_computed": queries - hits,
+        }
+
+    return call
+
+
+FIGURES = [
+    ("ttft_p50_s", "TTFT p50 (ms)", 1e3),
+    ("ttft_p99_s", "TTFT p99 (ms)", 1e3),
+    ("throughput_tok_s", "throughput (tok/s)", 1),
+    ("prefill_tokens_computed", "prefill tokens computed", 1),
+    ("prefix_cache_hit_rate", "prefix-cache hit rate (%)", 100),
+]
+
+
+def report(result: dict) -> str:
+    lines = []
+    for name, model in result["models"].items():
+        rows = []
+        for kind in ("shared", "unique"):
+            for engine in ("step9", "baseline"):
+                m = model[kind]["median"][engine]
+                rows.append([kind, engine, *(m[key] * scale for key, _, scale in FIGURES)])
+        lines.append(f"{name}:")
+        lines.append(harness.table(["workload", "engine", *(label for _, label, _ in FIGURES)], rows))
+        shared, unique = model["shared"]["ratios"], model["unique"]["ratios"]
+        full = not result["workload"]["quick"]
+        lines += [
+            harness.target_line(
+                "shared: baseline / step9 TTFT p50",
+                shared["baseline/step9 ttft p50"]["median"],
+                ">= 4",
+                full_size=full,
+            ),
+            harness.target_line(
+                "shared: step9 / baseline throughput",
+                shared["step9/baseline throughput"]["median"],
+                ">= 1.5",
+                full_size=full,
+            ),
+            harness.target_line(
+                "shared: step9 / baseline prefill tokens",
+                shared["step9/baseline prefill tokens"]["median"],
+                "<= 0.2",
+                full_size=full,
+            ),
+            harness.target_line(
+                "unique: step9 / baseline throughput",
+                unique["step9/baseline throughput"]["median"],
+                ">= 0.97",
+                full_size=full,
+            ),
+        ]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(
+        len(models), len(FIGURES), figsize=(4 * len(FIGURES), 4 * len(models)), squeeze=False
+    )
+    colors = {"step9": "C2", "baseline": "C7"}
+    for row, (name, model) in zip(axes, models.items()):
+        for ax, (key, label, scale) in zip(row, FIGURES):
+            for j, engine in enumerate(("step9", "baseline")):
+                values = [model[kind]["median"][engine][key] * scale for kind in ("shared", "unique")]
+                bars = ax.bar([x + 0.4 * j for x in (0, 1)], values, 0.4, color=colors[engine], label=engine)
+                ax.bar_label(bars, fmt="%.3g", fontsize=8)
+            ax.set_xticks([0.2, 1.2], ["shared prefix", "no sharing"])
+            ax.set_title(f"{name}: {label}", fontsize=10)
+        row[0].legend(fontsize=8)
+    machine = result["machine"]
+    fig.suptitle(
+        f"Prefix caching: step 9 vs the same engine without its cache (step 8's stand-in), "
+        f"{machine['device']}, {machine['dtype']}, median of {result['workload']['runs']} run(s)"
+    )
+    fig.tight_layout()
+    return harness.save_figure(fig, path)

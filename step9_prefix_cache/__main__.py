@@ -1,0 +1,286 @@
+"""The command line: serve the engine over HTTP with OpenAI's API.
+
+    python -m step9_prefix_cache --model demo            # http://127.0.0.1:8000, the web page at /
+    python -m step9_prefix_cache --model gpt2 --device cuda --dtype float16 --port 8080
+
+Run it from the repository root; `--help` lists every option with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import inspect
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
+from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown
+from .engine import LLMEngine
+
+DEFAULT_GRACE_S = 2.0  # after a signal, how long open requests may take to finish before they are ended
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line on stderr, exit status 2 (argparse prints the usage too)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line's flags; each one's help says its default."""
+    parser = _Parser(
+        prog=f"python -m {__package__ or 'step9_prefix_cache'}",
+        description="Serve the engine over OpenAI's HTTP API, with a web page at /.",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    parser.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder (default demo)",
+    )
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights, activations and KV cache (default float32)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/ requests (default: none, open)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=8, help="most requests running at once (default 8)"
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="waiting requests beyond which new ones get 429; a request with more engine requests "
+        f"(prompts x n) gets 400 (default {DEFAULT_MAX_WAITING_REQUESTS})",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks in the pool (default: room for --max-num-seqs sequences of the full window)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV-cache pool size in bytes, instead of --num-kv-blocks (default: unset)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["auto", "triton", "torch"],
+        help="attention implementation (default auto: Triton on CUDA, torch elsewhere)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="capture no CUDA graphs: every step runs eagerly (on a CPU it always does)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep computed KV blocks for later requests that share their prefix (default on)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="after Ctrl-C or SIGTERM, how long open requests may run on before each is ended with an "
+        f"error event (default {DEFAULT_GRACE_S:g})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default warning; info logs every request)",
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: bad flags and limits that admit nothing exit with status 2."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
+    # limits that would admit nothing are refused here, before the model loads
+    for name in ("max_num_seqs", "block_size", "max_waiting_requests", "num_kv_blocks", "kv_cache_memory"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1 ({value} admits no request)")
+    if not args.timeout_graceful_shutdown >= 0:
+        parser.error("argument --timeout-graceful-shutdown: must be >= 0 seconds")
+    if args.max_body_bytes < len(SMALLEST_BODY):
+        parser.error(
+            f"argument --max-body-bytes: must be >= {len(SMALLEST_BODY)}, the size of the smallest "
+            f"request ({SMALLEST_BODY.decode()})"
+        )
+    return args
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The LLMEngine arguments of the command line; ``attention_backend`` only if this engine takes it."""
+    kwargs = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    if args.attention_backend is not None:
+        if "attention_backend" not in inspect.signature(LLMEngine).parameters:
+            raise ValueError("--attention-backend: this engine has a single attention implementation")
+        kwargs["attention_backend"] = args.attention_backend
+    return kwargs
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it later). Raises OSError naming the port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"port {port} on {host} is already in use: choose another with --port (0: any free port)"
+            ) from None
+        raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a shutdown that ends open streams cleanly.
+
+    On SIGINT or SIGTERM uvicorn stops accepting connections; open requests then have ``grace`` seconds
+    to finish, after which each one still open is ended (``AsyncEngine.end_streams``): a stream with an
+    OpenAI-style error event and ``data: [DONE]``, a whole answer with 503, and its engine requests are
+    aborted. A second signal ends them at once. The signal is not raised again afterwards (uvicorn does,
+    which turns SIGTERM into a kill): a signal is how this server is meant to stop.
+    """
+
+    def __init__(self, config: uvicorn.Config, bridge: AsyncEngine, grace: float):
+        super().__init__(config)
+        self.bridge, self.grace = bridge, grace
+        self.signals: list[int] = []
+        self.ended = 0  # open requests ended by the shutdown
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        ending = asyncio.ensure_future(self._end_streams_after_grace())
+        try:
+            await super().shutdown(sockets)  # stop accepting, then wait for the open requests
+        finally:
+            ending.cancel()
+
+    async def _end_streams_after_grace(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and len(self.signals) < 2:
+            await asyncio.sleep(0.05)
+        self.ended = self.bridge.end_streams(ServerShuttingDown("the server is shutting down"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m step9_prefix_cache``: bind the port, load the model, print the page's URL and a curl line,
+    serve.
+
+    Exit status: 0 after a clean shutdown (Ctrl-C or SIGTERM: see ``Server``), 2 on bad flags or a
+    model/port that cannot be used (one line on stderr), 130 after a second Ctrl-C.
+    """
+    args = parse_args(argv)
+    try:
+        sock = bind(args.host, args.port)  # first: a busy port is reported before a model loads for nothing
+        engine = LLMEngine(**engine_kwargs(args))
+    except (ValueError, ConnectionError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
+    name = args.served_model_name or args.model
+    app = build_app(
+        engine,
+        name,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes,
+        model_root=str(args.model),
+    )
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    print(f"serving {name} on {url}  (web page: {url}/ , metrics: {url}/metrics)", flush=True)
+    print(
+        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',
+        flush=True,
+    )
+    bridge = app.state.server.bridge
+    grace = args.timeout_graceful_shutdown
+    # uvicorn's own timeout is only a safety net: the streams are ended after the grace period
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 5)
+    server = Server(config, bridge, grace)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        bridge.shutdown(timeout=2)
+    if server.signals:
+        print(
+            f"shut down on {signal.Signals(server.signals[0]).name}: {server.ended} open request(s) "
+            f"ended with an error, {engine.stats.num_used_blocks} KV blocks in use",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 130 if len(server.signals) > 1 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The block manager: which KV-cache blocks are free, which blocks each sequence holds, and which blocks
+hold a known prefix (automatic prefix caching).
+
+The bookkeeping half of PagedAttention (Kwon et al. 2023, SOSP; the name is vLLM's): a free queue and a
+block table per sequence; ``block_size`` is decided here, once. A sequence gets blocks on demand, one
+whenever its next token starts a new block, and gives them back when it finishes, is aborted or is
+preempted. Nothing here touches tensors; the pool itself is ``PagedKVCache``.
+
+Prefix caching (vLLM's automatic prefix caching; nano-vllm's block manager): a *full* block is named by a
+hash chained over every token up to its end, ``hash(block j) = sha256(hash(block j - 1) + its token ids)``,
+so that equal tokens after different prefixes never match. Once its keys and values are computed, a full
+block is registered under its hash, and it stays registered after its last owner leaves: a free but
+cached block, still in the free queue, evicted (its hash dropped) only when the queue hands it out again,
+least recently freed first. A new sequence gets every leading full block of its prompt found in the
+cache, reference-counted, and computes only the rest. Blocks are shared by reference (``ref_count``): a
+block in use is never in the free queue, so never evicted. The one block that sequences share while it is
+still being written is a forked prompt's partly filled last block (``fork``, ``SamplingParams.n``): the
+first choice to write into it gets a copy of its own (copy-on-write, ``append``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """The chained hash of a full block: sha256 over its parent's hash (b"" for the first block) and its
+    token ids (int64). 32 bytes; collision-resistant (vLLM's sha256 option), so a match names the prefix."""
+    return hashlib.sha256((parent_hash or b"") + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
+@dataclass
+class Block:
+    """One block of the pool. ref_count: the sequences holding it (0: in the free queue). block_hash,
+    token_ids: set while the block is registered in the cache (its content is that full block's)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Allocates blocks of ``block_size`` token slots out of a pool of ``num_blocks``, sharing full blocks
+    of equal prefixes when ``enable_prefix_caching``.
+
+    free_blocks: the ids of blocks no sequence holds, least recently freed first (the eviction order); a
+    cached one keeps its hash until it is handed out. cached_blocks: block hash -> the block registered
+    under it. block_tables[seq_id]: a sequence's blocks, in position order. block_hashes[seq_id]: the hash
+    chain of its leading full blocks, as far as they are registered (or found registered).
+    num_queried_tokens, num_hit_tokens: prompt tokens of the sequences admitted, and those of them found
+    cached (vLLM's prefix-cache queries and hits). ``allocate``, ``append`` and ``fork`` raise RuntimeError
+    when the free blocks do not suffice (callers check ``can_allocate`` / ``can_append`` first).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[bytes]] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached ones included: they are evicted when needed)."""
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return blocks_for(num_tokens, self.block_size)
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """The leading full blocks of the sequence's tokens found in the cache (block ids, in order).
+
+        The block holding the last token is never taken from the cache: that token is computed again, so
+        that a prompt found whole still gets its logits (vLLM's rule; nano-vllm issue #144). A match is
+        confirmed on the tokens too."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        parent = None
+        for j in range((len(seq) - 1) // self.block_size):
+            tokens = seq.token_ids[j * self.block_size : (j + 1) * self.block_size]
+            parent = hash_block(parent, tokens)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            found.append(block_id)
+        return found
+
+    def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether the sequence fits, given its cached leading blocks ``cached``: its other blocks come out
+        of the free queue, and so do the cached blocks that no sequence holds now."""
+        new = self.blocks_for(len(seq)) - len(cached)
+        idle = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return new + idle <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached: list[int]) -> None:
+        """Give a new sequence its blocks: the cached ones ``cached`` (one reference more each), then fresh
+        blocks for the rest of its tokens. Counts the prefix-cache query and hits."""
+        if seq.request_id in self.block_tables:
+            raise RuntimeError(f"sequence {seq.request_id} already has blocks")
+        for block_id in cached:
+            self._share(block_id)
+        fresh = self._take(self.blocks_for(len(seq)) - len(cached))
+        self.block_tables[seq.request_id] = list(cached) + fresh
+        self.block_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached]
+        self.num_queried_tokens += len(seq)
+        self.num_hit_tokens += len(cached) * self.block_size
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A new sequence ``child_id`` holding every block of ``parent_id`` by reference (a choice of
+        ``SamplingParams.n``); the partly filled last block is copied when one of them writes to it."""
+        for block_id in self.block_tables[parent_id]:
+            self._share(block_id)
+        self.block_tables[child_id] = list(self.block_tables[parent_id])
+        self.block_hashes[child_id] = list(self.block_hashes[parent_id])
+
+    def can_append(self, seq_id: str, num_tokens: int) -> bool:
+        """Whether ``append`` finds the block it may need (a new one, or a copy) free."""
+        return self._append_needs_block(seq_id, num_tokens) is None or self.num_free_blocks > 0
+
+    def append(self, seq_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode,
+        which writes position num_tokens - 1): a new block if that position starts one; if it lands in a
+        block that other sequences share, a copy of that block for this one (copy-on-write). Returns the
+        copy to make before the write, (source, destination) block ids, or None. Raises RuntimeError if no
+        block is free (check ``can_append``)."""
+        table = self.block_tables[seq_id]
+        needs = self._append_needs_block(seq_id, num_tokens)
+        if needs == "new":
+            table.extend(self._take(1))
+        elif needs == "copy":
+            shared = self.blocks[table[-1]]
+            (own,) = self._take(1)
+            shared.ref_count -= 1  # still held by the others
+            table[-1] = own
+            return shared.block_id, own
+        return None
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full blocks whose keys and values are computed (its first
+        ``seq.num_computed_tokens`` tokens), extending its hash chain. A block whose content is already
+        registered under another block stays unregistered (two sequences computed it at once)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes, table, size = (
+            self.block_hashes[seq.request_id],
+            self.block_tables[seq.request_id],
+            self.block_size,
+        )
+        for j in range(len(hashes), seq.num_computed_tokens // size):
+            tokens = seq.token_ids[j * size : (j + 1) * size]  # appended tokens only: never a placeholder
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            block = self.blocks[table[j]]
+            if block.block_hash is None and hashes[-1] not in self.cached_blocks:
+                block.block_hash, block.token_ids = hashes[-1], tuple(tokens)
+                self.cached_blocks[block.block_hash] = block.block_id
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's reference to each of its blocks (finished, aborted or preempted); a block
+        nobody holds goes to the end of the free queue, keeping its hash. Its last blocks are freed first,
+        so they are evicted before its first ones, which more prompts share."""
+        for block_id in reversed(self.block_tables.pop(seq_id)):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        self.block_hashes.pop(seq_id)
+
+    def slots(self, seq_id: str, start: int, end: int) -> list[int]:
+        """The flat cache slots of the tokens at positions start..end-1: block * block_size + offset."""
+        table, size = self.block_tables[seq_id], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
+    def _append_needs_block(self, seq_id: str, num_tokens: int) -> str | None:
+        """What writing position num_tokens - 1 needs: "new" if it starts a new block, "copy" if it lands
+        in a block that others share, else None."""
+        table = self.block_tables[seq_id]
+        if num_tokens > len(table) * self.block_size:
+            return "new"
+        return "copy" if self.blocks[table[-1]].ref_count > 1 else None
+
+    def _share(self, block_id: int) -> None:
+        """One reference more to a block; a cached block that nobody held leaves the free queue."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _take(self, n: int) -> list[int]:
+        """n blocks off the front of the free queue, each held once; a cached one is evicted: its hash is
+        dropped before anything rewrites it. Nothing is taken if fewer are free (RuntimeError)."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"out of KV-cache blocks: {n} needed, {self.num_free_blocks} free")
+        taken = []
+        for _ in range(n):
+            block = self.blocks[self.free_blocks.popitem(last=False)[0]]
+            if block.block_hash is not None:  # evicted
+                del self.cached_blocks[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_count = 1
+            taken.append(block.block_id)
+        return taken

@@ -1,0 +1,233 @@
+"""The engine: ``LLMEngine`` takes requests and advances them one step at a time (vLLM's names).
+
+Every ``step`` picks the requests to run, hands them to the ``ModelRunner`` (one forward pass, one
+sampled token each), appends the tokens to their sequences, and returns the outputs that are due.
+Continuous batching over a paged KV cache: every step asks the ``Scheduler`` which requests run,
+the ``ModelRunner`` runs them as one flattened batch (whole prompts for requests that start, one token
+for requests that are decoding), and finished requests are retired at once, giving their cache blocks
+back. Requests join and leave between any two steps, so there is neither padding nor a finished row
+that keeps computing, and the KV cache holds only the blocks that requests actually use. With prefix
+caching a request starts from the blocks of its prompt that earlier requests computed, and a request of n
+choices runs its prompt once. ``LLM`` (llm.py) sits on top.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+
+from common.tokenizer import Tokenizer
+
+from .block_manager import BlockManager
+from .config import EngineArgs
+from .kv_cache import PagedKVCache
+from .model import GPT, kernels
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerStats
+from .sequence import ParentRequest, RequestOutput, Sequence
+
+
+def as_token_ids(ids) -> list[int]:
+    """A prompt given as token ids, as a list of ints; numpy and torch integers are accepted, bools are not.
+    Raises ValueError for anything else."""
+    try:
+        if isinstance(ids, (str, bytes)) or any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt_token_ids: each prompt must be a list of integer token ids") from None
+
+
+class LLMEngine:
+    """The generation engine, driven one step at a time.
+
+    attention_backend: "triton" or "torch", as ``EngineArgs`` resolved it; the Triton kernels are compiled
+    here, on a CUDA device, before the first request. Then, on a CUDA device and unless ``enforce_eager``,
+    the decode step is captured in CUDA graphs (``ModelRunner.capture_cudagraphs``), printed on stderr.
+    enable_prefix_caching: full blocks of computed tokens stay in the cache for later requests with the
+    same prefix (block_manager.py); off, every prompt is computed whole.
+
+    A request longer than the pool holds ends with finish_reason "length" when the pool is full, as at
+    the context window.
+
+    The arguments are those of ``EngineArgs`` (config.py), which checks them before any weights load:
+    raises ValueError on a bad argument; ConnectionError if a Hub model cannot be fetched. Raises
+    ValueError, once the weights are loaded, if the KV-cache pool does not fit in the free memory.
+    """
+
+    def __init__(
+        self,
+        model: str = "demo",
+        device: str = "cpu",
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int | None = None,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+    ):
+        self.args = args = EngineArgs(
+            model=model,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.device, self.dtype = args.torch_device, args.torch_dtype
+        self.attention_backend = args.attention_backend
+        self.tokenizer = Tokenizer(args.folder)
+        self.model = GPT.from_pretrained(str(args.folder), device=self.device, dtype=self.dtype)
+        self.config = self.model.config
+        self.max_model_len = args.max_model_len  # tokens one request can reach, prompt included
+        # one block more than the block manager hands out: the scratch block, which padding lanes write to
+        self.kv_cache = PagedKVCache(
+            self.config, args.num_kv_blocks + 1, args.block_size, self.device, self.dtype
+        )
+        self.block_manager = BlockManager(args.num_kv_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.model_runner = ModelRunner(
+            self.model,
+            self.tokenizer,
+            self.device,
+            self.kv_cache,
+            self.block_manager,
+            self.attention_backend,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            scratch_block=args.num_kv_blocks,
+        )
+        if self.attention_backend == "triton" and self.device.type == "cuda":  # compile before any request
+            kernels.warm_up(
+                self.config.n_head, self.config.head_dim, args.block_size, self.dtype, self.device
+            )
+        # the decode step in CUDA graphs, after the warm-up: no compiling in a capture
+        if self.device.type == "cuda" and not args.enforce_eager:
+            stats = self.model_runner.capture_cudagraphs()
+            print(
+                f"captured {len(stats.sizes)} CUDA graphs (batch sizes {', '.join(map(str, stats.sizes))}) "
+                f"in {stats.seconds:.2f} s, {stats.memory_bytes / 2**20:.0f} MiB of GPU memory",
+                file=sys.stderr,
+            )
+        self.requests: dict[str, Sequence] = {}  # unfinished sequences by id (each choice of n > 1 has one)
+        self.parents: dict[str, ParentRequest] = {}  # requests of n > 1 choices, until all have finished
+        self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, returned by the next step
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request; ``prompt`` is a text or a list of token ids. Raises ValueError (see
+        ``make_sequence``) before the request enters the queue."""
+        self.add_sequence(self.make_sequence(request_id, prompt, sampling_params))
+
+    def make_sequence(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> Sequence:
+        """Tokenize and check one request, the one place where requests are validated; queues nothing.
+
+        Raises ValueError if the id is in use, the prompt or the parameters are bad, or the request can
+        never run (no room to generate in the context window, more choices than ``max_num_seqs``).
+        """
+        if not isinstance(request_id, str) or request_id in self.requests or request_id in self.parents:
+            raise ValueError(f"request_id={request_id!r}: must be a string not used by an unfinished request")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, as_token_ids(prompt)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        vocab, window = self.config.vocab_size, self.config.n_positions
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if len(ids) == 0:
+            raise ValueError("prompt is empty; give at least one token")
+        if not all(0 <= t < vocab for t in ids):
+            field = (
+                "prompt" if text is not None else "prompt_token_ids"
+            )  # a text can hold added tokens the model lacks
+            raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens leaves no room to generate: at most "
+                f"{self.max_model_len - 1} prompt tokens fit (context window: {window} tokens)"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: every id must be < vocab_size={vocab}")
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(
+                f"n={params.n}: the choices run together, at most max_num_seqs={self.args.max_num_seqs}"
+            )
+        if any(f"{i}_{request_id}" in self.requests for i in range(1, params.n)):
+            raise ValueError(f"request_id={request_id!r}: the ids of its choices are in use")
+        return Sequence(request_id, text, ids, params, self.tokenizer, self.max_model_len, self.device)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by ``make_sequence`` (its other choices wait inside it)."""
+        for choice in [seq, *seq.forks]:
+            self.requests[choice.request_id] = choice
+        if seq.parent is not None:
+            self.parents[seq.request_id] = seq.parent
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (every unfinished choice), waiting or running, and free its blocks at once;
+        unknown or finished ids are ignored. Its final output (finish_reason "abort") comes out of the next
+        ``step``."""
+        if request_id in self.parents:
+            seqs = [seq for seq in self.parents[request_id].choices if not seq.finished]
+        elif request_id in self.requests:
+            seqs = [self.requests[request_id]]
+        else:
+            return
+        for seq in seqs:
+            self.scheduler.abort(seq)
+            seq.finish("abort")
+            self.retire(seq)
+            if (out := seq.output()) is not None:
+                self.aborted.append(out)
+
+    def retire(self, seq: Sequence) -> None:
+        """Forget a finished sequence (and its request, once every choice has finished)."""
+        del self.requests[seq.request_id]
+        if seq.parent is not None and seq.parent.finished:
+            del self.parents[seq.parent.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running (an aborted one's last output may still be due)."""
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Requests running and waiting, KV-cache blocks in use, preemptions, tokens in the last step."""
+        return self.scheduler.make_stats()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, one forward pass over the mixed batch, sample, retire the finished.
+
+        Returns the outputs due in this step (per each request's ``output_kind``).
+        """
+        outputs, self.aborted = self.aborted, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled.seqs:
+            return outputs
+        self.kv_cache.copy_blocks(list(scheduled.blocks_to_copy.values()))  # copy-on-write, before any write
+        token_ids, logprobs = self.model_runner.run(scheduled)
+        for seq, token_id, token_logprobs in zip(scheduled.seqs, token_ids, logprobs):
+            seq.append(token_id, token_logprobs)
+            if (out := seq.output()) is not None:
+                outputs.append(out)
+            if seq.finished:  # leaves the batch now; its blocks are free for the next step
+                self.scheduler.finish(seq)
+                self.retire(seq)
+        return outputs

@@ -1,0 +1,186 @@
+"""The scheduler: which requests run in the next forward pass.
+
+Continuous batching (Yu et al. 2022, "Orca: A Distributed Serving System for Transformer-Based
+Generative Models", OSDI) schedules at the granularity of one token, not one batch: at every step each
+running request decodes one token, finished requests leave at once, and waiting requests join as soon
+as there is room, so nobody waits for the slowest member of a batch. Room means three limits:
+``max_num_seqs`` running requests, ``max_num_batched_tokens`` tokens in one forward pass, and free
+KV-cache blocks (vLLM's names).
+
+When a running request needs a new block and none is free, the most recently admitted request is
+*preempted*: it gives all its blocks back and returns to the front of the waiting queue, keeping the
+tokens it has generated. When it is admitted again, its prompt and those tokens are prefilled again
+(preemption by recompute, as in vLLM), and it carries on exactly where it stopped.
+
+Prefix caching: a request is admitted with every leading full block of its tokens that the block
+manager finds cached, and its prefill computes only the tokens after them (so a preempted request
+finds most of its blocks again). The blocks a step computed are registered at the start of the next
+``schedule`` (and when a request finishes), from tokens the sequences hold. A request of n choices is
+admitted with room for all n: its prompt is prefilled once and the other n - 1 choices are forked off
+its blocks in the same step, each a lane with no token of its own whose logits are its first choice's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. prefills: sequences whose tokens go through the model from
+    ``num_computed_tokens`` on (new, or readmitted after preemption; a forked choice right after its
+    first, with none); decodes: running sequences that feed their newest token; preempted: sequences sent
+    back to the waiting queue in this step. blocks_to_copy: sequence id -> (source, destination) block,
+    the copies-on-write to make before this step writes anything."""
+
+    prefills: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Every scheduled sequence, prefills first: the row order of the step's batch and its logits."""
+        return self.prefills + self.decodes
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(seq) - seq.num_computed_tokens for seq in self.prefills) + len(self.decodes)
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
+    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass;
+    prefix cache: prompt tokens of the requests admitted since the start (queries) and those found cached
+    (hits), and the blocks registered now (in use or free)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_batched_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_cached_blocks: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits / queries since the start (0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Scheduler:
+    """First-come-first-served continuous batching with preemption by recompute.
+
+    waiting: requests not holding any block, oldest first (preempted ones go back to the front).
+    running: requests holding blocks, in admission order (the last one is preempted first).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_batched_tokens = 0  # in the last step
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and reserve the cache blocks they will write."""
+        out = SchedulerOutput()
+        blocks = self.block_manager
+        for seq in self.running:  # the full blocks the last step computed join the cache
+            blocks.cache_blocks(seq)
+        # 1. Every running sequence decodes one token, oldest first; its token may need a new block, or a
+        # copy of a block it shares (copy-on-write: the copy is made before the step writes).
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if blocks.can_append(seq.request_id, len(seq)):
+                if (copy := blocks.append(seq.request_id, len(seq))) is not None:
+                    out.blocks_to_copy[seq.request_id] = copy
+                out.decodes.append(seq)
+                i += 1
+            else:  # no block free: the newest running sequence steps back (seq itself, if it is the newest)
+                out.preempted.append(self._preempt(self.running.pop()))
+        # 2. Admit waiting requests in arrival order while all three limits allow; no overtaking. Not when
+        # memory is short (someone was preempted): admitting anyone now would only preempt again.
+        budget = self.max_num_batched_tokens - len(out.decodes)
+        # A request's cached leading blocks cost no tokens; its n choices need n places in the batch.
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = blocks.find_cached_blocks(seq)
+            new_tokens = len(seq) - len(cached) * blocks.block_size
+            if (
+                new_tokens > budget
+                or len(self.running) + 1 + len(seq.forks) > self.max_num_seqs
+                or not blocks.can_allocate(seq, cached)
+            ):
+                break
+            self.waiting.popleft()
+            blocks.allocate(seq, cached)
+            seq.num_computed_tokens = len(cached) * blocks.block_size
+            for choice in [seq, *seq.forks]:
+                self.running.append(choice)
+                out.prefills.append(choice)
+                if choice.metrics.first_scheduled_time is None:
+                    choice.metrics.first_scheduled_time = time.perf_counter()
+            for fork in seq.forks:  # shares every block of the prompt; its logits are seq's last token's
+                blocks.fork(seq.request_id, fork.request_id)
+                fork.num_computed_tokens = len(fork)
+            seq.forks = []
+            budget -= new_tokens
+        self.num_batched_tokens = out.num_batched_tokens
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """A running sequence is done: it leaves the batch, the full blocks it computed join the cache,
+        and its blocks are free at once."""
+        self.running.remove(seq)
+        self.block_manager.cache_blocks(seq)
+        self.block_manager.free(seq.request_id)
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove a request, waiting or running, freeing its blocks at once (registering none: an abort
+        may interrupt a step whose keys and values were never written)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq.request_id)
+        elif seq.request_id in self.block_manager.block_tables:  # an interrupt (Ctrl-C) inside schedule()
+            self.block_manager.free(seq.request_id)
+
+    def make_stats(self) -> SchedulerStats:
+        blocks = self.block_manager
+        used = blocks.num_blocks - blocks.num_free_blocks
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=used / blocks.num_blocks,
+            num_used_blocks=used,
+            num_blocks=blocks.num_blocks,
+            num_preemptions=self.num_preemptions,
+            num_batched_tokens=self.num_batched_tokens,
+            prefix_cache_queries=blocks.num_queried_tokens,
+            prefix_cache_hits=blocks.num_hit_tokens,
+            num_cached_blocks=len(blocks.cached_blocks),
+        )
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        self.block_manager.free(seq.request_id)  # its computed full blocks stay cached for its return
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        return seq

@@ -1,0 +1,468 @@
+"""Step 9 tests: prefix caching and n choices give step 7's outputs, and the block bookkeeping never leaks.
+
+The oracle is step 7's engine, which computes every prompt whole: on the demo checkpoint with blocks of 4
+tokens, prompts that share a prefix of every length around the block boundaries (greedy and seeded), a
+prompt found whole in the cache, and eviction under a small pool while shared blocks are in use all give
+its ids; n seeded choices equal n separate requests seeded seed + i, with one copy-on-write per choice
+that writes into the shared last block. A property test drives the scheduler and block manager through
+random requests (n > 1 among them), aborts and preemptions with a stand-in for the model that checks that
+every sequence reads back its own prefix from its blocks; reference counts never go negative and no block
+stays in use. The Triton kernel and the torch backend agree on a chunk of new queries over cached context.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import step7_cuda_graphs
+
+from .__main__ import engine_kwargs, parse_args
+from .api_server import build_app
+from .block_manager import BlockManager, hash_block
+from .engine import LLMEngine
+from .kernels import paged_attention as triton_attention
+from .kernels import triton_usable
+from .kv_cache import PagedKVCache
+from .llm import LLM
+from .model import AttentionMetadata, decode_attention_mask
+from .model import paged_attention as torch_attention
+from .sampling_params import RequestOutputKind, SamplingParams
+
+BLOCK = 4
+needs_triton = pytest.mark.skipif(
+    not triton_usable("cuda" if torch.cuda.is_available() else "cpu"),
+    reason="Triton's interpreter was not switched on before triton was imported",
+)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_snapshot):
+    return LLM(model=str(demo_snapshot), block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def oracle(demo_snapshot):
+    return step7_cuda_graphs.LLM(model=str(demo_snapshot), block_size=BLOCK)
+
+
+def ids(outputs) -> list[list[int]]:
+    return [c.token_ids for out in outputs for c in out.outputs]
+
+
+def check_blocks(bm: BlockManager) -> None:
+    """The block manager's invariants: each block is held once per table that lists it (never a negative
+    count), free exactly when nobody holds it, and registered under its own hash."""
+    holders = [0] * bm.num_blocks
+    for table in bm.block_tables.values():
+        for b in table:
+            holders[b] += 1
+    assert [b.ref_count for b in bm.blocks] == holders
+    assert set(bm.free_blocks) == {b.block_id for b in bm.blocks if b.ref_count == 0}
+    assert {h: b for h, b in bm.cached_blocks.items()} == {
+        b.block_hash: b.block_id for b in bm.blocks if b.block_hash is not None
+    }
+
+
+class FakeSeq:
+    """What the block manager reads of a sequence: its id, tokens and computed count."""
+
+    def __init__(self, request_id: str, token_ids: list[int]):
+        self.request_id, self.token_ids = request_id, list(token_ids)
+        self.num_computed_tokens = len(token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def test_block_hashes_chain_lru_and_eviction(monkeypatch):
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = FakeSeq("a", [1, 2, 3, 4, 5])
+    bm.allocate(a, bm.find_cached_blocks(a))  # nothing cached yet: 3 fresh blocks
+    bm.cache_blocks(a)  # its two full blocks
+    assert len(bm.cached_blocks) == 2 and bm.block_hashes["a"][1] == hash_block(
+        hash_block(None, [1, 2]), [3, 4]
+    )
+    # the same tokens after another prefix, or at another position, are another block
+    assert bm.find_cached_blocks(FakeSeq("b", [3, 4, 1, 2, 9])) == []
+    assert bm.find_cached_blocks(FakeSeq("c", [1, 2, 3, 4, 9, 9])) == bm.block_tables["a"][:2]
+    # the block holding the last token is never taken from the cache: a whole hit computes its last token
+    assert bm.find_cached_blocks(FakeSeq("d", [1, 2, 3, 4])) == bm.block_tables["a"][:1]
+    bm.free("a")
+    assert bm.num_free_blocks == 6 and len(bm.cached_blocks) == 2  # free, but cached
+    c = FakeSeq("c", [1, 2, 3, 4, 9, 9])
+    hit = bm.find_cached_blocks(c)
+    bm.allocate(c, hit)  # the hits leave the free queue; a fresh block for the rest
+    assert bm.block_tables["c"][:2] == hit and bm.num_hit_tokens == 4
+    check_blocks(bm)
+    e = FakeSeq("e", [7] * 6)  # takes the 3 blocks left, least recently freed first: a's last one
+    bm.allocate(e, bm.find_cached_blocks(e))
+    assert bm.num_free_blocks == 0 and len(bm.cached_blocks) == 2  # c's hits, in use, were not evicted
+    bm.free("e")
+    bm.free("c")
+    f = FakeSeq("f", [8] * 12)  # needs every block: the cached ones are evicted, their hashes dropped
+    bm.allocate(f, bm.find_cached_blocks(f))
+    assert bm.cached_blocks == {} and all(b.block_hash is None for b in bm.blocks)
+    check_blocks(bm)
+    # a hash collision cannot give a wrong hit: the block's tokens are compared too
+    monkeypatch.setattr("step9_prefix_cache.block_manager.hash_block", lambda parent, tokens: b"same")
+    bm2 = BlockManager(num_blocks=4, block_size=2)
+    g = FakeSeq("g", [1, 2, 3])
+    bm2.allocate(g, [])
+    bm2.cache_blocks(g)
+    assert bm2.find_cached_blocks(FakeSeq("h", [5, 6, 7])) == []
+    assert bm2.find_cached_blocks(FakeSeq("i", [1, 2, 7])) == bm2.block_tables["g"][:1]
+
+
+def test_fork_and_copy_on_write():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    p = FakeSeq("p", [1, 2, 3, 4, 5, 6])  # a full block, then a partly filled one
+    bm.allocate(p, [])
+    bm.fork("p", "q")
+    q = FakeSeq("q", p.token_ids)
+    assert bm.block_tables["q"] == bm.block_tables["p"] and [b.ref_count for b in bm.blocks[:2]] == [2, 2]
+    for seq in (p, q):
+        seq.token_ids.append(7)  # position 6 lands in the shared block
+    shared = bm.block_tables["p"][1]
+    copy = bm.append("p", len(p))
+    assert copy == (shared, bm.block_tables["p"][1]) and copy[1] != shared
+    assert (
+        bm.append("q", len(q)) is None and bm.block_tables["q"][1] == shared
+    )  # the last holder writes in place
+    check_blocks(bm)
+
+
+def test_outputs_equal_step7_around_block_boundaries(llm, oracle):
+    """Prompts sharing the first k tokens of a base prompt, k around every block boundary, each behind
+    tokens of its own: each finds exactly its shared full blocks cached (the block of its last token never),
+    and its greedy and seeded ids are step 7's."""
+    tok = llm.get_tokenizer()
+    base = tok.encode("The Python interpreter reads a program and runs it line by line, and then")[:14]
+    assert len(base) == 14
+    tails = iter(range(2000, 2100))  # tokens of their own, new in every round: no other cache hits
+    for kind in ("greedy", "seeded"):
+        prompts = [base[:k] + [next(tails) for _ in range(3)] for k in (1, 3, 4, 5, 7, 8, 9, 12, 13)]
+        params = [
+            SamplingParams(max_tokens=6, temperature=0 if kind == "greedy" else 1.0, seed=i)
+            for i in range(len(prompts) + 1)
+        ]
+        llm.generate(prompt_token_ids=[base], sampling_params=params[0])  # the base's blocks are cached
+        ours = []
+        for prompt, p in zip(prompts, params[1:]):
+            before = llm.engine.stats.prefix_cache_hits
+            ours += llm.generate(prompt_token_ids=[prompt], sampling_params=p)
+            shared = next(k for k in range(len(prompt)) if prompt[k] != base[k])
+            assert (
+                llm.engine.stats.prefix_cache_hits - before == min(shared, len(prompt) - 1) // BLOCK * BLOCK
+            )
+        theirs = oracle.generate(
+            prompt_token_ids=prompts,
+            sampling_params=[step7_cuda_graphs.SamplingParams(**vars_of(p)) for p in params[1:]],
+        )
+        assert ids(ours) == ids(theirs), kind
+
+
+def vars_of(p: SamplingParams) -> dict:
+    return dict(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed, ignore_eos=p.ignore_eos)
+
+
+def test_fully_cached_prompt_computes_its_last_token(llm, oracle):
+    """A prompt seen before is found whole but for the block of its last token, which is computed again
+    (a prompt of 12 = 3 blocks: 2 found, 4 tokens computed; of 13: 3 found, 1 computed)."""
+    tok = llm.get_tokenizer()
+    text = "A list comprehension is a concise way to build a list from another one in Python"
+    for n, hit in ((12, 8), (13, 12)):
+        prompt = tok.encode(text)[:n]
+        params = SamplingParams(max_tokens=8, temperature=0)
+        first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        s = llm.engine.stats
+        second = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        assert llm.engine.stats.prefix_cache_hits - s.prefix_cache_hits == hit
+        assert llm.engine.stats.prefix_cache_queries - s.prefix_cache_queries == n
+        expected = oracle.generate(
+            prompt_token_ids=[prompt],
+            sampling_params=step7_cuda_graphs.SamplingParams(max_tokens=8, temperature=0),
+        )
+        assert ids(first) == ids(second) == ids(expected)
+
+
+def test_eviction_under_a_small_pool(demo_snapshot, oracle):
+    """A pool of 18 blocks of 4 tokens: an earlier prompt's cached blocks are evicted while four requests
+    share a 12-token prefix (its blocks, in use, stay; the first request computes them, the others, a step
+    later, find them), with preemption; ids are step 7's; the invariants hold after every step, and at the
+    end no block is in use."""
+    engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK, num_kv_blocks=18, max_num_seqs=4)
+    tok = engine.tokenizer
+    old = tok.encode("Exceptions are raised when something goes wrong in a program")[:12]
+    shared = tok.encode("The standard library of Python has modules for files, dates and")[:12]
+    prompts = [shared + [3000 + i, 3100 + i] for i in range(4)] + [old[:5] + [17]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def run(batch: list[list[int]]) -> dict[str, list[int]]:
+        out, step = {}, 0
+        engine.add_request(f"{len(batch)}-0", batch[0], params)
+        while engine.has_unfinished_requests():
+            if step == 1:
+                for i, p in enumerate(batch[1:], 1):
+                    engine.add_request(f"{len(batch)}-{i}", p, params)
+            step += 1
+            for o in engine.step():
+                out[o.request_id] = o.outputs[0].token_ids
+            check_blocks(engine.block_manager)
+            for seq in engine.scheduler.running:  # a block in use keeps its registration
+                for b in engine.block_manager.block_tables[seq.request_id]:
+                    blk = engine.block_manager.blocks[b]
+                    assert blk.block_hash is None or engine.block_manager.cached_blocks[blk.block_hash] == b
+        return [out[f"{len(batch)}-{i}"] for i in range(len(batch))]
+
+    run([old])
+    old_blocks = len(engine.block_manager.find_cached_blocks(FakeSeq("x", old)))
+    assert old_blocks == 2
+    ours = run(prompts)
+    assert engine.stats.num_preemptions > 0 and engine.stats.prefix_cache_hits >= 3 * 12
+    assert len(engine.block_manager.find_cached_blocks(FakeSeq("x", old))) < old_blocks  # evicted
+    assert engine.stats.num_used_blocks == 0
+    theirs = oracle.generate(
+        prompt_token_ids=prompts,
+        sampling_params=step7_cuda_graphs.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+    )
+    assert ours == ids(theirs)
+
+
+def test_n_choices_copy_on_write_equal_separate_seeded_requests(llm, oracle, monkeypatch):
+    """n = 4 seeded choices of a 7-token prompt: one prefill, three copies of the shared last block (the
+    fourth choice writes it in place), four outputs in index order equal to four separate step 7 requests
+    seeded seed + i, which diverge. Greedy n = 2 on a prompt of whole blocks copies nothing."""
+    copies = []
+    copy_blocks = llm.engine.kv_cache.copy_blocks
+    monkeypatch.setattr(
+        llm.engine.kv_cache, "copy_blocks", lambda pairs: copies.extend(pairs) or copy_blocks(pairs)
+    )
+    prompt = llm.get_tokenizer().encode("Strings are immutable in Python, so")[:7]
+    assert len(prompt) == 7
+    before = llm.engine.stats.prefix_cache_queries
+    (out,) = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(n=4, max_tokens=8, seed=11)
+    )
+    assert llm.engine.stats.prefix_cache_queries - before == 7  # the prompt went in once
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and len(copies) == 3
+    separate = oracle.generate(
+        prompt_token_ids=[prompt] * 4,
+        sampling_params=[step7_cuda_graphs.SamplingParams(max_tokens=8, seed=11 + i) for i in range(4)],
+    )
+    assert ids([out]) == ids(separate) and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    copies.clear()
+    greedy = SamplingParams(n=2, max_tokens=6, temperature=0)
+    (out,) = llm.generate(prompt_token_ids=[prompt[:4] * 2], sampling_params=greedy)
+    expected = oracle.generate(
+        prompt_token_ids=[prompt[:4] * 2],
+        sampling_params=step7_cuda_graphs.SamplingParams(max_tokens=6, temperature=0),
+    )
+    assert ids([out]) == ids(expected) * 2 and copies == []
+    assert llm.engine.stats.num_used_blocks == 0 and not llm.engine.parents
+
+
+class ShadowModel:
+    """Stands in for the model runner and the KV pool: "computing" position p of a sequence writes, at its
+    slot, the prefix the keys and values there would encode (tokens 0..p); after a step's writes every
+    lane must read its own prefix back at every position through its block table. Samples from a few
+    tokens, so that prefixes repeat."""
+
+    def __init__(self, engine: LLMEngine, rng: random.Random):
+        self.engine, self.rng, self.kv, self.num_copies = engine, rng, {}, 0
+        self.bm, self.size = engine.block_manager, engine.block_manager.block_size
+
+    def slot(self, seq, p: int) -> int:
+        return self.bm.block_tables[seq.request_id][p // self.size] * self.size + p % self.size
+
+    def copy_blocks(self, pairs) -> None:
+        self.num_copies += len(pairs)
+        for src, dst in pairs:
+            for o in range(self.size):
+                self.kv[dst * self.size + o] = self.kv.get(src * self.size + o)
+
+    def run(self, scheduled):
+        for seq in scheduled.prefills:
+            for p in range(seq.num_computed_tokens, len(seq)):
+                self.kv[self.slot(seq, p)] = tuple(seq.token_ids[: p + 1])
+        for seq in scheduled.decodes:
+            self.kv[self.slot(seq, len(seq) - 1)] = tuple(seq.token_ids)
+        for seq in scheduled.seqs:
+            for p in range(len(seq)):
+                assert self.kv.get(self.slot(seq, p)) == tuple(seq.token_ids[: p + 1]), (seq.request_id, p)
+        return [self.rng.randrange(3) for _ in scheduled.seqs], [None] * len(scheduled.seqs)
+
+
+@settings(max_examples=10)
+@given(data=st.data())
+def test_random_requests_aborts_and_preemption_leak_nothing(tiny_snapshot, data):
+    """100 random requests per example (1,000 in all): prompts built from a few shared beginnings, n of
+    1 to 3, aborted at random, in a pool of 12 blocks (preemption all along). After every step the block
+    manager's invariants hold (reference counts never negative) and every registered block holds the
+    tokens it is registered for; at the end no block is in use and nothing is left of any request."""
+    engine = LLMEngine(model=str(tiny_snapshot), block_size=BLOCK, num_kv_blocks=12, max_num_seqs=4)
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+    shadow = ShadowModel(engine, rng)
+    engine.model_runner.run, engine.kv_cache.copy_blocks = shadow.run, shadow.copy_blocks
+    bm = engine.block_manager
+    beginnings = [[1, 2, 1, 2, 0, 1], [2, 2, 2, 2, 2], [0]]
+    added, live = 0, []
+    while added < 100 or engine.has_unfinished_requests():
+        if added < 100 and rng.random() < 0.5:
+            prompt = rng.choice(beginnings)[: rng.randint(1, 6)] + [
+                rng.randrange(3) for _ in range(rng.randint(0, 9))
+            ]
+            params = SamplingParams(
+                n=rng.randint(1, 3), max_tokens=rng.randint(1, 12), ignore_eos=True, seed=added
+            )
+            engine.add_request(f"r{added}", prompt, params)
+            live.append(f"r{added}")
+            added += 1
+        if live and rng.random() < 0.1:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        engine.step()
+        check_blocks(bm)
+        for block in bm.blocks:
+            if block.block_hash is not None:  # its content is the full block it is registered as
+                for o, token in enumerate(block.token_ids):
+                    assert shadow.kv[block.block_id * BLOCK + o][-1] == token
+    engine.step()  # the last aborted outputs
+    assert engine.stats.num_used_blocks == 0 and bm.block_tables == {}
+    assert engine.requests == {} and engine.parents == {} and not engine.scheduler.running
+    assert engine.stats.num_preemptions > 0 and engine.stats.prefix_cache_hits > 0 and shadow.num_copies > 0
+
+
+@needs_triton
+def test_triton_and_torch_attend_alike_over_cached_context(tiny_snapshot):
+    """One batch: a prefill of 5 new tokens after 8 cached ones, a forked choice with no token, a whole
+    prefill and a decode; the Triton kernel (the interpreter on a CPU) and the torch backend agree."""
+    torch.manual_seed(0)
+    H, D = 2, 16
+    cache = PagedKVCache(
+        type("C", (), dict(n_layer=1, n_head=H, head_dim=D))(),
+        num_blocks=16,
+        block_size=BLOCK,
+        device="cpu",
+        dtype=torch.float32,
+    )
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    tables = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 0, 0], [6, 7, 8, 0]])  # [S, M]
+    seq_lens = torch.tensor([13, 13, 6, 10])
+    qsl = [0, 5, 5, 11, 12]  # new tokens: 5, 0 (the fork), 6, 1
+    N = qsl[-1]
+    q, k, v = (torch.randn(N, H, D) for _ in range(3))
+    positions = [8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 9]
+    lanes = [0] * 5 + [2] * 6 + [3]
+    slots = torch.tensor([tables[s, p // BLOCK] * BLOCK + p % BLOCK for s, p in zip(lanes, positions)])
+    cache.write(0, k, v, slots)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        query_start_loc_t=torch.tensor(qsl),
+        logits_indices=torch.tensor(qsl[1:]) - 1,
+        num_prefills=3,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        max_query_len=6,
+        attention_backend="torch",
+        decode_mask=decode_attention_mask(seq_lens[3:], 4 * BLOCK, torch.float32),
+        prefill_seq_lens=[13, 13, 6],
+    )
+    ours = torch_attention(q, k, v, cache, 0, meta)
+    kernel = triton_attention(q, cache.k[0], cache.v[0], tables, seq_lens, torch.tensor(qsl), 6)
+    torch.testing.assert_close(ours, kernel, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@needs_triton
+def test_triton_engine_equals_step7_with_prefix_hits(demo_snapshot, oracle):
+    prompts = [[11, 12, 13, 14, 15, 16, 17], [11, 12, 13, 14, 15, 16, 18, 19, 20]]
+    ours = LLM(model=str(demo_snapshot), block_size=BLOCK, attention_backend="triton")
+    params = SamplingParams(max_tokens=4, temperature=0)
+    got = [ours.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
+    assert ours.engine.stats.prefix_cache_hits == BLOCK
+    expected = oracle.generate(
+        prompt_token_ids=prompts,
+        sampling_params=step7_cuda_graphs.SamplingParams(max_tokens=4, temperature=0),
+    )
+    assert ids(got) == ids(expected)
+
+
+def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
+    """The server's n: one engine request of n choices, seeded seed + i as before (equal to LLM's n);
+    /metrics counts prefix-cache queries and hits in tokens, /v1/engine/stats shows the hit rate."""
+    engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK)
+    added = []
+    add_request = engine.add_request
+    engine.add_request = lambda *a: added.append(a[0]) or add_request(*a)
+    text = "The Python interpreter reads a program and runs it"
+    body = {"prompt": text, "max_tokens": 5, "n": 3, "seed": 4}
+    with TestClient(build_app(engine)) as client:
+        first = client.post("/v1/completions", json=body).json()
+        again = client.post("/v1/completions", json=body).json()
+        metrics = client.get("/metrics").text
+        stats = client.get("/v1/engine/stats").json()
+    assert len(added) == 2 and [c["index"] for c in first["choices"]] == [0, 1, 2]
+    (expected,) = llm.generate(text, SamplingParams(n=3, max_tokens=5, seed=4))
+    assert (
+        [c["text"] for c in first["choices"]]
+        == [c.text for c in expected.outputs]
+        == [c["text"] for c in again["choices"]]
+    )
+    prompt_len = len(engine.tokenizer.encode(text))
+    assert f'vllm:prefix_cache_queries_total{{model_name="demo"}} {2 * prompt_len}.0' in metrics
+    hits = (prompt_len - 1) // BLOCK * BLOCK
+    assert f'vllm:prefix_cache_hits_total{{model_name="demo"}} {hits}.0' in metrics
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(hits / (2 * prompt_len))
+
+
+def test_enable_prefix_caching_argument(demo_snapshot, oracle):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLMEngine(model=str(demo_snapshot), enable_prefix_caching="yes")
+    assert parse_args([]).enable_prefix_caching is True
+    assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
+    off = LLM(model=str(demo_snapshot), block_size=BLOCK, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="n=9"):
+        off.engine.add_request("a", [1, 2], SamplingParams(n=9))
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    for _ in range(2):
+        out = off.generate(
+            prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=5, temperature=0)
+        )
+    assert off.engine.stats.prefix_cache_hits == 0 and off.engine.stats.num_cached_blocks == 0
+    assert off.engine.stats.prefix_cache_queries == 18
+    assert ids(out) == ids(
+        oracle.generate(
+            prompt_token_ids=prompt,
+            sampling_params=step7_cuda_graphs.SamplingParams(max_tokens=5, temperature=0),
+        )
+    )
+    delta = SamplingParams(n=2, max_tokens=3, seed=1, output_kind=RequestOutputKind.DELTA)
+    off.engine.add_request("d", [5, 6, 7], delta)
+    seen = []
+    while off.engine.has_unfinished_requests():
+        seen += [(o.request_id, [c.index for c in o.outputs], o.finished) for o in off.engine.step()]
+    assert {r for r, _, _ in seen} == {"d"} and all(len(i) == 1 for _, i, _ in seen) and seen[-1][2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp16_outputs_equal_with_and_without_the_cache(demo_snapshot):
+    """fp16 on the GPU (Triton attention, CUDA graphs): prompts sharing prefixes give the same greedy ids
+    with the cache as without it (each request after the first finds the shared blocks)."""
+    base = list(range(100, 140))
+    prompts = [base[:k] + [3000 + k, 3001 + k] for k in (5, 16, 17, 31, 32, 33)]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    results = {}
+    for enabled in (True, False):
+        llm = LLM(model=str(demo_snapshot), device="cuda", dtype="float16", enable_prefix_caching=enabled)
+        llm.generate(prompt_token_ids=[base], sampling_params=params)
+        results[enabled] = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
+        assert (llm.engine.stats.prefix_cache_hits > 0) == enabled
+    assert ids(results[True]) == ids(results[False])
