@@ -5,8 +5,8 @@ Two workloads of requests arriving as a Poisson process (fixed seed), greedy, ``
 lengths and arrivals, every prompt its own); 64 requests generating 64 tokens, at 8 per second on the CPU
 (the demo checkpoint: 416 + 64 tokens fit its 512-token window) and 200 per second on a GPU. Engines,
 alternated within each run: ``step9`` (``step9_prefix_cache.LLMEngine``, prefix caching on) and
-``baseline`` (the same engine with ``enable_prefix_caching=False``: a stand-in for step 8, which the JSON
-says; swap in step 8's engine in ``ENGINES`` and ``bench_model`` when it exists). Each run draws new
+``step8`` (``step8_async_scheduling.LLMEngine``, the step before the cache; it computes every prompt
+token). Each run draws new
 token ids (the same for both engines), so nothing is cached from an earlier run or the warm-up: the
 system prompt is cold when a run starts. Figures: TTFT p50 and p99, throughput (generated tokens / wall
 time), the prefix-cache hit rate (tokens) and the prefill tokens computed (prompt tokens admitted - found
@@ -36,15 +36,14 @@ DEFAULT_RUNS = 3
 SHARED_TOKENS, OWN_TOKENS = 384, 32
 NUM_REQUESTS = {"cpu": 64, "cuda": 64}
 MAX_TOKENS = {"cpu": 64, "cuda": 64}
-ARRIVAL_RATE_PER_S = {"cpu": 8.0, "cuda": 200.0}  # requests per second: more than the baseline keeps up with
+ARRIVAL_RATE_PER_S = {"cpu": 8.0, "cuda": 200.0}  # requests per second: more than step 8 keeps up with
 MAX_NUM_SEQS = {"cpu": 8, "cuda": 32}
 BLOCK_SIZE = 16
 ARRIVAL_SEED, TOKEN_SEED = 0, 9000
 QUICK = {"num_requests": 8, "max_tokens": 8}
 ENGINES = {
     "step9": "step9_prefix_cache.LLMEngine(block_size=16, max_num_seqs=B), prefix caching on (the default)",
-    "baseline": "step9_prefix_cache.LLMEngine(block_size=16, max_num_seqs=B, enable_prefix_caching=False): "
-    "a stand-in for step 8 (step 9 is step 8 plus the cache), until step 8's engine is swapped in",
+    "step8": "step8_async_scheduling.LLMEngine(block_size=16, max_num_seqs=B): every prompt token computed",
 }
 
 
@@ -106,7 +105,6 @@ def run(
             "runs": runs,
             "warmup": "every engine once on the first 8 requests of run -1, at time 0, 4 new tokens, untimed",
             "engines": ENGINES,
-            "baseline_is_a_stand_in": "baseline = step 9 without its cache, standing in for step 8",
             "timing": "time.perf_counter from the start of the run; TTFT from each request's arrival; "
             "engines alternated within each run (order rotated per run); medians over runs; ratios are "
             "medians of per-run ratios",
@@ -132,6 +130,7 @@ def bench_model(
     rate: float,
     max_num_seqs: int,
 ) -> dict:
+    import step8_async_scheduling
     import step9_prefix_cache as module
 
     folder = snapshot(name)
@@ -139,13 +138,8 @@ def bench_model(
         "step9": module.LLMEngine(
             model=str(folder), device=device, dtype=dtype, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs
         ),
-        "baseline": module.LLMEngine(
-            model=str(folder),
-            device=device,
-            dtype=dtype,
-            block_size=BLOCK_SIZE,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=False,
+        "step8": step8_async_scheduling.LLMEngine(
+            model=str(folder), device=device, dtype=dtype, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs
         ),
     }
     vocab = engines["step9"].config.vocab_size
@@ -155,16 +149,17 @@ def bench_model(
         warm = serving.warmup_requests(workload(kind, -1, vocab, 8, max_tokens, rate))
         calls = {}
         for engine_name, engine in engines.items():
-            serving.run_step4(engine, module, warm, device)
-            calls[engine_name] = measured(engine, module, kind, vocab, num_requests, max_tokens, rate, device)
+            mod = module if engine_name == "step9" else step8_async_scheduling  # its own SamplingParams
+            serving.run_step4(engine, mod, warm, device)
+            calls[engine_name] = measured(engine, mod, kind, vocab, num_requests, max_tokens, rate, device)
         raw = harness.alternate(calls, runs, warmup=0)
         out[kind] = serving.compare(
             raw,
             {
-                "baseline/step9 ttft p50": ("baseline", "step9", "ttft_p50_s"),
-                "baseline/step9 ttft p99": ("baseline", "step9", "ttft_p99_s"),
-                "step9/baseline throughput": ("step9", "baseline", "throughput_tok_s"),
-                "step9/baseline prefill tokens": ("step9", "baseline", "prefill_tokens_computed"),
+                "step8/step9 ttft p50": ("step8", "step9", "ttft_p50_s"),
+                "step8/step9 ttft p99": ("step8", "step9", "ttft_p99_s"),
+                "step9/step8 throughput": ("step9", "step8", "throughput_tok_s"),
+                "step9/step8 prefill tokens": ("step9", "step8", "prefill_tokens_computed"),
             },
         )
     return out
@@ -180,8 +175,11 @@ def measured(engine, module, kind: str, vocab: int, num_requests: int, max_token
         before = engine.stats
         figures = serving.summarise(serving.run_step4(engine, module, requests, device))
         after = engine.stats
-        queries = after.prefix_cache_queries - before.prefix_cache_queries
-        hits = after.prefix_cache_hits - before.prefix_cache_hits
+        if hasattr(after, "prefix_cache_queries"):
+            queries = after.prefix_cache_queries - before.prefix_cache_queries
+            hits = after.prefix_cache_hits - before.prefix_cache_hits
+        else:  # step 8 has no cache: it computes every prompt token (no preemption in these pools)
+            queries, hits = sum(r.prompt_tokens for r in requests), 0
         ttfts = [r["first_token_s"] - r["arrival_s"] for r in figures["requests"]]
         return {
             **figures,
@@ -209,7 +207,7 @@ def report(result: dict) -> str:
     for name, model in result["models"].items():
         rows = []
         for kind in ("shared", "unique"):
-            for engine in ("step9", "baseline"):
+            for engine in ("step9", "step8"):
                 m = model[kind]["median"][engine]
                 rows.append([kind, engine, *(m[key] * scale for key, _, scale in FIGURES)])
         lines.append(f"{name}:")
@@ -218,26 +216,26 @@ def report(result: dict) -> str:
         full = not result["workload"]["quick"]
         lines += [
             harness.target_line(
-                "shared: baseline / step9 TTFT p50",
-                shared["baseline/step9 ttft p50"]["median"],
+                "shared: step8 / step9 TTFT p50",
+                shared["step8/step9 ttft p50"]["median"],
                 ">= 4",
                 full_size=full,
             ),
             harness.target_line(
-                "shared: step9 / baseline throughput",
-                shared["step9/baseline throughput"]["median"],
+                "shared: step9 / step8 throughput",
+                shared["step9/step8 throughput"]["median"],
                 ">= 1.5",
                 full_size=full,
             ),
             harness.target_line(
-                "shared: step9 / baseline prefill tokens",
-                shared["step9/baseline prefill tokens"]["median"],
+                "shared: step9 / step8 prefill tokens",
+                shared["step9/step8 prefill tokens"]["median"],
                 "<= 0.2",
                 full_size=full,
             ),
             harness.target_line(
-                "unique: step9 / baseline throughput",
-                unique["step9/baseline throughput"]["median"],
+                "unique: step9 / step8 throughput",
+                unique["step9/step8 throughput"]["median"],
                 ">= 0.97",
                 full_size=full,
             ),
@@ -255,10 +253,10 @@ def plot(result: dict, path: Path) -> Path:
     fig, axes = plt.subplots(
         len(models), len(FIGURES), figsize=(4 * len(FIGURES), 4 * len(models)), squeeze=False
     )
-    colors = {"step9": "C2", "baseline": "C7"}
+    colors = {"step9": "C2", "step8": "C7"}
     for row, (name, model) in zip(axes, models.items()):
         for ax, (key, label, scale) in zip(row, FIGURES):
-            for j, engine in enumerate(("step9", "baseline")):
+            for j, engine in enumerate(("step9", "step8")):
                 values = [model[kind]["median"][engine][key] * scale for kind in ("shared", "unique")]
                 bars = ax.bar([x + 0.4 * j for x in (0, 1)], values, 0.4, color=colors[engine], label=engine)
                 ax.bar_label(bars, fmt="%.3g", fontsize=8)
@@ -267,7 +265,7 @@ def plot(result: dict, path: Path) -> Path:
         row[0].legend(fontsize=8)
     machine = result["machine"]
     fig.suptitle(
-        f"Prefix caching: step 9 vs the same engine without its cache (step 8's stand-in), "
+        f"Prefix caching: step 9 vs step 8, "
         f"{machine['device']}, {machine['dtype']}, median of {result['workload']['runs']} run(s)"
     )
     fig.tight_layout()

@@ -1,5 +1,5 @@
 """Step 9: requests that share a prefix share its KV blocks (chained block hashes, reference counts, LRU
-eviction, copy-on-write), behind step 6's server."""
+eviction, copy-on-write), on top of step 8."""
 
 from .api_server import build_app
 from .block_manager import BlockManager

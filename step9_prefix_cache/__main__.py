@@ -97,6 +97,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="capture no CUDA graphs: every step runs eagerly (on a CPU it always does)",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and launch the next step before reading this one's tokens (default: on with CUDA, "
+        "off on a CPU)",
+    )
+    parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -157,6 +164,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
     )
     if args.attention_backend is not None:
@@ -229,8 +237,8 @@ class Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m step9_prefix_cache``: bind the port, load the model, print the page's URL and a curl line,
-    serve.
+    """``python -m step9_prefix_cache``: bind the port, load the model, print the page's URL and a curl
+    line, serve.
 
     Exit status: 0 after a clean shutdown (Ctrl-C or SIGTERM: see ``Server``), 2 on bad flags or a
     model/port that cannot be used (one line on stderr), 130 after a second Ctrl-C.

@@ -77,13 +77,16 @@ class EngineArgs:
     CUDA, or Triton's interpreter on the CPU for tests), "torch" (step 4's plain-PyTorch attention) or
     "auto": Triton on a CUDA device, torch elsewhere. enforce_eager (vLLM's name): capture no CUDA graphs
     (a CPU has none either way); decode-only batches are padded to the capture ladder's sizes all the same.
+    async_scheduling (vLLM's name): overlap the host's work with the GPU's (engine.py): schedule and launch
+    step N+1 before reading step N's tokens; None (default): on for a CUDA device, off on a CPU, where
+    there is nothing to overlap with (True runs the same code path there, for tests).
     enable_prefix_caching (vLLM's name, on by default as in vLLM v1): keep computed full blocks for later
     requests that share their prefix.
 
     Resolved from them: folder (the snapshot folder), hf_config (its ``GPT2Config``), torch_device,
     torch_dtype, and max_model_len: the tokens one request can reach, prompt included (the context window,
-    or the pool's tokens if fewer). num_kv_blocks, max_num_batched_tokens and attention_backend hold their
-    resolved values.
+    or the pool's tokens if fewer). num_kv_blocks, max_num_batched_tokens, attention_backend and
+    async_scheduling hold their resolved values.
 
     Raises ValueError, naming the argument, if one is bad; ConnectionError if a Hub model cannot be fetched.
     """
@@ -98,6 +101,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     enable_prefix_caching: bool = True
     folder: Path = field(init=False)
     hf_config: GPT2Config = field(init=False)
@@ -113,12 +117,16 @@ class EngineArgs:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r}: must be True, False or None")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("num_kv_blocks, kv_cache_memory: give one of them, not both")
         self.torch_dtype = DTYPES[self.dtype]
         self.torch_device = check_device(self.device)
+        if self.async_scheduling is None:
+            self.async_scheduling = self.torch_device.type == "cuda"
         self.attention_backend = choose_attention_backend(
             self.attention_backend, self.torch_device, self.torch_dtype
         )

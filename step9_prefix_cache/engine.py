@@ -9,10 +9,22 @@ back. Requests join and leave between any two steps, so there is neither padding
 that keeps computing, and the KV cache holds only the blocks that requests actually use. With prefix
 caching a request starts from the blocks of its prompt that earlier requests computed, and a request of n
 choices runs its prompt once. ``LLM`` (llm.py) sits on top.
+
+Async scheduling (step 8; vLLM's ``async_scheduling``, SGLang's overlap scheduler): a serial step leaves
+the GPU idle while the host schedules, prepares the inputs, reads the sampled ids back, appends them and
+applies the stop rules. Here ``step`` N schedules and launches step N first, and only then waits for step
+N-1's tokens and processes them, while the GPU runs step N. Step N is scheduled before the host knows step
+N-1's tokens: each sequence of step N-1 counts its token in flight (a placeholder) in its length, and its
+decode lane takes the token itself on the device (input_batch.py). The outputs stay exactly the serial
+ones: a sequence that finished at step N-1 (a stop, max_tokens, the window, an abort) may have been given
+one more position in step N; that token is dropped, never appended, shown or counted (one step late).
+The exception: a penalty reads the output history on the host, so a step whose in-flight predecessor
+holds a sequence with a penalty waits for that predecessor first (a synchronous step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 
@@ -22,7 +34,7 @@ from .block_manager import BlockManager
 from .config import EngineArgs
 from .kv_cache import PagedKVCache
 from .model import GPT, kernels
-from .model_runner import ModelRunner
+from .model_runner import AsyncModelRunnerOutput, ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import ParentRequest, RequestOutput, Sequence
@@ -48,6 +60,9 @@ class LLMEngine:
     enable_prefix_caching: full blocks of computed tokens stay in the cache for later requests with the
     same prefix (block_manager.py); off, every prompt is computed whole.
 
+    async_scheduling: overlap the host's work with the GPU's (the module's docstring): True, False, or None
+    (on for a CUDA device); with False every step waits for its own tokens, as in step 7.
+
     A request longer than the pool holds ends with finish_reason "length" when the pool is full, as at
     the context window.
 
@@ -68,6 +83,7 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
         enable_prefix_caching: bool = True,
     ):
         self.args = args = EngineArgs(
@@ -81,8 +97,10 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
             enable_prefix_caching=enable_prefix_caching,
         )
+        self.async_scheduling = args.async_scheduling
         self.device, self.dtype = args.torch_device, args.torch_dtype
         self.attention_backend = args.attention_backend
         self.tokenizer = Tokenizer(args.folder)
@@ -121,6 +139,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # unfinished sequences by id (each choice of n > 1 has one)
         self.parents: dict[str, ParentRequest] = {}  # requests of n > 1 choices, until all have finished
         self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, returned by the next step
+        self.in_flight: AsyncModelRunnerOutput | None = None  # the step launched, its tokens not yet read
 
     def add_request(
         self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
@@ -180,7 +199,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Drop a request (every unfinished choice), waiting or running, and free its blocks at once;
         unknown or finished ids are ignored. Its final output (finish_reason "abort") comes out of the next
-        ``step``."""
+        ``step``; a token of it still in flight is dropped."""
         if request_id in self.parents:
             seqs = [seq for seq in self.parents[request_id].choices if not seq.finished]
         elif request_id in self.requests:
@@ -201,8 +220,9 @@ class LLMEngine:
             del self.parents[seq.parent.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running (an aborted one's last output may still be due)."""
-        return bool(self.requests)
+        """Whether any request is waiting or running (an aborted one's last output may still be due), or a
+        step is in flight (the next ``step`` reads its tokens)."""
+        return bool(self.requests) or self.in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -213,21 +233,75 @@ class LLMEngine:
         return self.scheduler.make_stats()
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, one forward pass over the mixed batch, sample, retire the finished.
+        """One iteration: schedule, launch one forward pass over the mixed batch and its sampling, then
+        process the tokens of the step before (async scheduling) or of this one (serial): append them,
+        stream them, retire the finished.
 
-        Returns the outputs due in this step (per each request's ``output_kind``).
+        Returns the outputs due (per each request's ``output_kind``): with async scheduling, those of the
+        step launched by the previous call; a call with nothing to schedule only reads the step in flight.
         """
         outputs, self.aborted = self.aborted, []
-        scheduled = self.scheduler.schedule()
-        if not scheduled.seqs:
-            return outputs
-        self.kv_cache.copy_blocks(list(scheduled.blocks_to_copy.values()))  # copy-on-write, before any write
-        token_ids, logprobs = self.model_runner.run(scheduled)
-        for seq, token_id, token_logprobs in zip(scheduled.seqs, token_ids, logprobs):
+        if self.in_flight is not None and any(uses_penalty(seq.params) for seq in self.in_flight.seqs):
+            outputs += self.process_outputs(self.in_flight)  # a penalty needs every token on the host
+            self.in_flight = None
+        with self.placeholders():  # the in-flight tokens count in their sequences' lengths
+            scheduled = self.scheduler.schedule()
+            # copy-on-write: a shared block is copied before this step writes into it
+            self.kv_cache.copy_blocks(list(scheduled.blocks_to_copy.values()))
+            launched = self.model_runner.launch(scheduled) if scheduled.seqs else None
+        previous, self.in_flight = self.in_flight, launched
+        if previous is not None:  # the GPU runs the step just launched meanwhile
+            outputs += self.process_outputs(previous)
+        if not self.async_scheduling and self.in_flight is not None:  # serial: wait for this step's tokens
+            outputs += self.process_outputs(self.in_flight)
+            self.in_flight = None
+        return outputs
+
+    @contextlib.contextmanager
+    def placeholders(self):
+        """While scheduling and preparing a step: each unfinished sequence of the step in flight holds a
+        placeholder (-1) for its token in flight at the end of ``token_ids``, so that its length, hence its
+        position, slot and blocks, include that token. Only decodes hold one (a sequence preempted in this
+        step is not readmitted in it), and a decode's input id is gathered on the device (input_batch.py):
+        the placeholder's value is never read (an id of -1 would fail the embedding, loudly)."""
+        seqs = [] if self.in_flight is None else [s for s in self.in_flight.seqs if not s.finished]
+        for seq in seqs:
+            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+        try:
+            yield
+        finally:
+            for seq in seqs:
+                seq.token_ids.pop()
+
+    def process_outputs(self, launched: AsyncModelRunnerOutput) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, append them to their sequences, retire the finished ones;
+        returns the outputs due. A sequence that finished (or was aborted) after that step was launched
+        gets nothing: its token is one position past its end."""
+        outputs = []
+        for seq, token_id, token_logprobs in zip(launched.seqs, *launched.get_output()):
+            if seq.finished:
+                continue
             seq.append(token_id, token_logprobs)
             if (out := seq.output()) is not None:
                 outputs.append(out)
             if seq.finished:  # leaves the batch now; its blocks are free for the next step
-                self.scheduler.finish(seq)
+                # finish() registers its computed blocks and frees them; a sequence preempted when the step
+                # now in flight was scheduled sits in the waiting queue and holds none: abort() removes it.
+                # Its blocks may still be written by the step in flight; a later step that reuses them is
+                # queued behind it on the same stream, so it reads and writes them only after that one.
+                if seq in self.scheduler.running:
+                    self.scheduler.finish(seq)
+                else:
+                    self.scheduler.abort(seq)
                 self.retire(seq)
         return outputs
+
+
+PLACEHOLDER_TOKEN_ID = -1  # a token in flight, in ``Sequence.token_ids`` while a step is scheduled
+
+
+def uses_penalty(params: SamplingParams) -> bool:
+    """Whether the sampler reads the request's output ids (a repetition, presence or frequency penalty)."""
+    return (
+        params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    )

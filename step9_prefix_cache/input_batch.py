@@ -19,8 +19,17 @@ the block manager never hands out), attending over length 1 (that one key: a sof
 cannot be NaN), reading block-table row ``PADDING_ROW`` (every entry the scratch block); its logits are
 dropped by the runner.
 
-The host writes the buffer again only after the step's sampled ids came back, so the previous step's
-copy out of it has finished (the sampler's read of the ids waits for the device): one buffer suffices.
+Step 8 (async scheduling): the decode lanes' token ids are not written by the host, which has not read them
+yet: the device gathers them, ``input_ids[lane] = last_token[rows[lane]]``, from ``last_token`` [R + 1], a
+device buffer into which the sampler scatters every step's sampled ids by row (the padding row's entry
+stays 0, the padding lanes' token). A decoding sequence's newest token was always sampled on the device
+(a row changes only at a prefill, which samples), so ``last_token`` holds it.
+
+One host buffer, not two: the host writes it for step N+1 while step N's copy out of it may still be
+queued behind step N-1's kernels. So the copy records an event and ``prepare`` waits on it before writing
+(``CpuGpuBuffer.wait_copied``). The wait is short: the engine has read step N-1's sampled ids by then, and
+step N's copy is the next thing in the stream. (Double-buffering would avoid the wait, but the block-table
+rows, written one entry at a time, would then have to be kept in step in both buffers.)
 
 Shapes: T = max tokens in a step, R = max sequences (rows), M = max blocks per sequence.
 """
@@ -40,16 +49,25 @@ PADDING_ROW = 0  # block-table row of the padding lanes; sequences get rows 1..R
 class CpuGpuBuffer:
     """One int64 buffer of ``size`` elements in two places (vLLM's name): ``cpu`` on the host (pinned on a
     CUDA device, so that the copy does not make the host wait), ``np`` its numpy view (for cheap writes),
-    and ``gpu`` on ``device`` (a separate tensor on a CPU too, so that the copy path is the same)."""
+    and ``gpu`` on ``device`` (a separate tensor on a CPU too, so that the copy path is the same).
+    ``copied``: on a CUDA device, the event recorded after the last copy (a CPU copies synchronously)."""
 
     def __init__(self, size: int, device: torch.device):
         self.cpu = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.np = self.cpu.numpy()
         self.gpu = torch.zeros(size, dtype=torch.int64, device=device)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def copy_to_gpu(self, n: int) -> None:
         """Copy the first ``n`` elements host -> device, asynchronously (from pinned memory)."""
         self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record(torch.cuda.current_stream(self.gpu.device))
+
+    def wait_copied(self) -> None:
+        """Wait until the last copy has read the host buffer, so that the host may write it again."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
 
 class InputBatch:
@@ -58,6 +76,7 @@ class InputBatch:
     Fields, numpy views into one host buffer (``.np[name]``) and device views into its twin (``.gpu[name]``):
     input_ids, positions, slot_mapping [T]; query_start_loc [R + 1]; seq_lens, rows [R] (lane -> its row);
     block_table [(R + 1) * M], seen as [R + 1, M] through ``block_table_np`` / ``block_table_gpu``.
+    ``last_token`` [R + 1]: on the device only, each row's newest sampled token id (the runner writes it).
     ``row_of`` maps a running sequence's id to its row; ``num_blocks[row]`` counts the entries written.
     """
 
@@ -89,6 +108,7 @@ class InputBatch:
         self.table_offset = start - sizes["block_table"]
         self.block_table_np = self.np["block_table"].reshape(R + 1, M)  # [R + 1, M]
         self.block_table_gpu = self.gpu["block_table"].view(R + 1, M)  # [R + 1, M]
+        self.last_token = torch.zeros(R + 1, dtype=torch.int64, device=device)  # [R + 1]; row 0: padding
         self.block_table_np[PADDING_ROW] = scratch_block
         self.num_blocks = np.zeros(R + 1, dtype=np.int64)  # entries written per row
         self.num_blocks[PADDING_ROW] = M
@@ -132,6 +152,7 @@ class InputBatch:
         P, S = len(scheduled.prefills), len(scheduled.seqs)
         if P and num_lanes != S:
             raise ValueError(f"num_lanes={num_lanes}: only decode-only batches are padded (S={S}, P={P})")
+        self.buffer.wait_copied()  # the previous step's copy has read the host buffer: it may be written
         self.update_rows(scheduled, block_tables)
         return self.write_lanes(scheduled, num_lanes)
 
@@ -149,16 +170,15 @@ class InputBatch:
             f["seq_lens"][i], f["rows"][i] = L, row
             t += n
             qsl.append(t)
-        D = S - P  # the decodes, one lane each: the newest token at position L - 1
+        D = S - P  # the decodes, one lane each: the newest token (its id gathered by the device) at L - 1
         if D:
             rows = np.array([self.row_of[seq.request_id] for seq in scheduled.decodes])
             lens = np.array([len(seq) for seq in scheduled.decodes])
-            f["input_ids"][t : t + D] = [seq.token_ids[-1] for seq in scheduled.decodes]
             f["positions"][t : t + D] = lens - 1
             f["slot_mapping"][t : t + D] = self.block_table_np[rows, (lens - 1) // bs] * bs + (lens - 1) % bs
             f["seq_lens"][P:S], f["rows"][P:S] = lens, rows
-        pad = slice(t + D, t + D + num_lanes - S)  # padding lanes: own nothing
-        f["input_ids"][pad], f["positions"][pad], f["slot_mapping"][pad] = 0, 0, self.scratch_slot
+        pad = slice(t + D, t + D + num_lanes - S)  # padding lanes: own nothing (token 0: last_token's row 0)
+        f["positions"][pad], f["slot_mapping"][pad] = 0, self.scratch_slot
         f["seq_lens"][S:num_lanes], f["rows"][S:num_lanes] = 1, PADDING_ROW
         qsl += range(t + 1, t + 1 + num_lanes - P)
         f["query_start_loc"][: num_lanes + 1] = qsl

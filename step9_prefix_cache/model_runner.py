@@ -17,6 +17,14 @@ allocated once, which the host updates in place and copies to the device in one 
 decode-only step is padded to the next batch size of the capture ladder and, on a CUDA device, replays that
 size's captured graph; without graphs (a CPU, or ``enforce_eager``) the same padded pass runs eagerly. A
 step that carries prefill tokens runs eagerly, unpadded.
+
+Async scheduling (step 8): ``launch`` enqueues a step's work on the device and returns at once, before any
+result exists: the forward pass, the sampler's device part (``sample_on_device``), the scatter of the
+sampled ids into ``InputBatch.last_token`` by row (where the next step's decode lanes gather their input
+ids: the next step can be launched before the host has read these), and a non-blocking copy of the packed
+sampler output into pinned host memory, followed by an event. ``AsyncModelRunnerOutput.get_output`` waits
+for that event and unpacks the tokens; ``run`` is the two back to back (the serial step). Sources: vLLM's
+``AsyncModelRunnerOutput`` (``gpu_model_runner.py``), SGLang's overlap scheduler (``event_loop_overlap``).
 """
 
 from __future__ import annotations
@@ -30,10 +38,41 @@ from .cuda_graph import CaptureStats, CUDAGraphRunner, capture_sizes, padded_siz
 from .input_batch import InputBatch
 from .kv_cache import PagedKVCache
 from .model import GPT, AttentionMetadata, decode_attention_mask
-from .sampler import sample
-from .sampling_params import Logprob
+from .sampler import sample_on_device, to_host
+from .sampling_params import Logprob, SamplingParams
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's sampled tokens, on their way to the host (vLLM's name).
+
+    seqs: the step's sequences in lane order (prefills, then decodes). packed: ``sample_on_device``'s
+    output [S, 1 or 3 + 2n], copied into pinned host memory by a non-blocking copy on a CUDA device (then
+    ``copied`` is the event recorded after it), or the CPU tensor itself (the "copy" was synchronous).
+    """
+
+    def __init__(self, seqs: list[Sequence], packed: torch.Tensor, tokenizer: Tokenizer):
+        self.seqs = seqs
+        self.params: list[SamplingParams] = [seq.params for seq in seqs]
+        self.tokenizer = tokenizer
+        self.copied: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            self.packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.packed.copy_(packed, non_blocking=True)  # [S, C] device -> host, the host does not wait
+            self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(packed.device))
+        else:
+            self.packed = packed  # [S, C]
+
+    def get_output(self) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """Wait for the copy (the step's one wait for the device), then one token per sequence, in
+        ``seqs`` order, and its logprobs if asked for."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        out = to_host(self.packed, self.params)
+        decode = lambda token_id: self.tokenizer.decode([token_id])  # noqa: E731
+        return out.token_ids, [row.as_dict(decode) if row is not None else None for row in out.logprobs]
 
 
 class ModelRunner:
@@ -64,11 +103,17 @@ class ModelRunner:
         )
         self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cudagraphs
 
-    @torch.inference_mode()
     def run(self, scheduled: SchedulerOutput) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One forward pass over the step's prefills and decodes, then one sampled token per sequence
-        (and its logprobs, if asked for), in the order prefills + decodes. A decode-only batch is padded
-        to its rung and replays that rung's graph, if captured; the padding lanes' logits are dropped."""
+        """One step, serially: ``launch``, then wait for its tokens. One sampled token per sequence (and
+        its logprobs, if asked for), in the order prefills + decodes."""
+        return self.launch(scheduled).get_output()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Enqueue one step on the device and return without waiting for it: one forward pass over the
+        step's prefills and decodes, sampling, each sampled id scattered into ``last_token`` at its
+        sequence's row, the copy of the sampled ids to the host. A decode-only batch is padded to its rung
+        and replays that rung's graph, if captured; the padding lanes' logits are dropped."""
         S, P = len(scheduled.seqs), len(scheduled.prefills)
         num_lanes = padded_size(self.capture_sizes, S) if P == 0 else S
         N, query_start_loc = self.input_batch.prepare(
@@ -81,7 +126,17 @@ class ModelRunner:
         else:
             width = max(self.input_batch.num_blocks[self.input_batch.np["rows"][:S]])
             logits = self.execute_model(N, S, P, query_start_loc, width)  # [S, V]
-        return self.sample(scheduled.seqs, logits[:S])
+        seqs = scheduled.seqs
+        packed = sample_on_device(
+            logits[:S],
+            [seq.params for seq in seqs],
+            [seq.generator for seq in seqs],
+            [seq.prompt_token_ids for seq in seqs],
+            [seq.output_token_ids for seq in seqs],
+        )  # [S, 1 or 3 + 2n] float32, on the device
+        rows = self.input_batch.gpu["rows"][:S]  # [S] each lane's row
+        self.input_batch.last_token.index_copy_(0, rows, packed[:, 0].long())  # the next step's input ids
+        return AsyncModelRunnerOutput(seqs, packed, self.tokenizer)
 
     def decode_forward(self, num_lanes: int) -> torch.Tensor:
         """The forward pass of a decode-only batch of ``num_lanes`` lanes over the persistent buffers,
@@ -92,6 +147,8 @@ class ModelRunner:
         """The forward pass over the first N tokens and S lanes of the device buffers (P prefills first),
         each lane's block-table row gathered by the device and cut to ``width`` blocks. Returns [S, V]."""
         dev = self.input_batch.gpu
+        D = S - P  # decode (and padding) lanes: their input ids, sampled on the device, gathered by row
+        dev["input_ids"][N - D : N] = self.input_batch.last_token[dev["rows"][P:S]]  # [D]
         starts = dev["query_start_loc"][: S + 1]
         seq_lens = dev["seq_lens"][:S]
         block_tables = self.input_batch.block_table_gpu[dev["rows"][:S], :width]  # [S, width]
@@ -128,17 +185,3 @@ class ModelRunner:
             self.device,
         )
         return self.graph_runner.capture()
-
-    def sample(
-        self, seqs: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One token per row of ``logits`` [B, V], each with its own sequence's parameters and generator."""
-        out = sample(
-            logits,
-            [seq.params for seq in seqs],
-            [seq.generator for seq in seqs],
-            [seq.prompt_token_ids for seq in seqs],
-            [seq.output_token_ids for seq in seqs],
-        )
-        decode = lambda token_id: self.tokenizer.decode([token_id])  # noqa: E731
-        return out.token_ids, [row.as_dict(decode) if row is not None else None for row in out.logprobs]

@@ -116,12 +116,24 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_chat.py",
         "metrics.py",
     ],
+    # step 9 changes the block manager, the scheduler, sequences and SamplingParams (n), the prefill's
+    # inputs and attention over cached context, and the server's n and metrics: the sampler, the kernels,
+    # the graphs and the wire types stay
+    "step9_prefix_cache": [
+        "sampler.py",
+        "kernels.py",
+        "flash_decoding.py",
+        "kv_write.py",
+        "cuda_graph.py",
+        "protocol.py",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
 MECHANISM_TESTS = {
     "step7_cuda_graphs": "test_cuda_graphs.py",
     "step8_async_scheduling": "test_async_scheduling.py",
+    "step9_prefix_cache": "test_prefix_cache.py",
 }
 # One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
 # file named for its mechanism.
@@ -149,6 +161,7 @@ def test_layout():
         "step6_server",
         "step7_cuda_graphs",
         "step8_async_scheduling",
+        "step9_prefix_cache",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
