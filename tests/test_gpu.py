@@ -27,6 +27,7 @@ STEPS = [
     "step5_flash_gpu",
     "step7_cuda_graphs",
     "step8_async_scheduling",
+    "step9_prefix_cache",
 ]
 PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised"]
 
@@ -72,7 +73,14 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "step", ["step2_kvcache", "step4_paged_continuous", "step7_cuda_graphs", "step8_async_scheduling"]
+    "step",
+    [
+        "step2_kvcache",
+        "step4_paged_continuous",
+        "step7_cuda_graphs",
+        "step8_async_scheduling",
+        "step9_prefix_cache",
+    ],
 )
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_agrees_in_top5(step, dtype, demo_snapshot):
