@@ -8,6 +8,8 @@
   (the demo's 8192 tokens), tilted so that it emits an id the tokenizer lacks.
 - ``gpt2_snapshot``: OpenAI's GPT-2 124M, if a local copy exists (the folder named by the environment
   variable GPT2_SNAPSHOT, or the Hugging Face cache); tests that use it skip otherwise.
+- ``run_main``: runs a command line's ``main(argv)`` in this process, as a fresh Python would run it, for
+  tests of its answers that need no process of their own (a fresh Python takes seconds to import torch).
 
 Hypothesis runs with the profile "suite": no deadline and no too-slow health check (both measure wall
 time, which a loaded machine stretches).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,27 @@ def gpt2_snapshot() -> Path:
     except Exception:
         pass
     pytest.skip("OpenAI GPT-2 is not on this machine: set GPT2_SNAPSHOT to a local snapshot folder")
+
+
+@pytest.fixture
+def run_main(capsys):
+    """``run_main(main, argv) -> (exit status, stdout, stderr)``: ``main`` called in this process. The status
+    is what ``main`` returns or the code of the SystemExit it raises (argparse's errors); a Python warning,
+    which a fresh Python would print on stderr, is added to stderr (those a fresh Python hides are left out).
+    Whatever else the process does (its ``if __name__ == "__main__"`` block) needs a test of the process."""
+
+    def run(main, argv: list[str]) -> tuple[int, str, str]:
+        capsys.readouterr()  # what came before is not the command's
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for hidden in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=hidden)
+            try:
+                status = main(list(argv))
+            except SystemExit as e:
+                status = e.code
+        out, err = capsys.readouterr()
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+        return status, out, err
+
+    return run

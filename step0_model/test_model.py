@@ -17,6 +17,7 @@ from transformers import GPT2LMHeadModel
 
 from common.weights import load_config
 
+from .__main__ import main as cli_main
 from .model import GPT
 
 TOL = 1e-4
@@ -156,8 +157,14 @@ def test_cli_top_tokens_and_check(tiny_snapshot):
     assert diff <= TOL
 
 
-def test_cli_bad_input_exits_2(tiny_snapshot, tmp_path):
+def test_cli_bad_input_exits_2(tiny_snapshot, tmp_path, run_main):
     for args in (["", "--model", str(tiny_snapshot)], ["hi", "--model", str(tmp_path / "nope")]):
-        result = run_cli(*args)
-        assert result.returncode == 2
-        assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+        status, _, err = run_main(cli_main, args)  # in this process; as a process: below
+        assert status == 2
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_cli_bad_input_as_a_process(tmp_path):
+    result = run_cli("hi", "--model", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1

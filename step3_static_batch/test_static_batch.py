@@ -6,9 +6,6 @@ step 2 run and HF ``generate`` with left padding and an attention mask; seeded s
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
@@ -16,6 +13,7 @@ from transformers import GPT2LMHeadModel
 import step2_kvcache
 from step2_kvcache import sampler as step2_sampler
 
+from .__main__ import main as cli_main
 from .config import EngineArgs
 from .llm import LLM
 from .model import GPT, padding_mask
@@ -275,33 +273,18 @@ def test_bad_max_batch_size(tmp_path):
         LLM(max_batch_size=0)
 
 
-def test_cli_several_prompts_and_file(llm, tmp_path):
+def test_cli_several_prompts_and_file(llm, tmp_path, run_main):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("A list comprehension is\n\nThe\n")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            __package__,
-            "The Python interpreter",
-            "--prompts-file",
-            str(prompts_file),
-            "--max-tokens",
-            "6",
-            "--max-batch-size",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,  # a safety net against a hang, not a measure: a loaded machine can take minutes
-    )
-    assert result.returncode == 0, result.stderr
+    args = ["The Python interpreter", "--prompts-file", str(prompts_file), "--max-tokens", "6"]
+    status, stdout, stderr = run_main(cli_main, [*args, "--max-batch-size", "2"])  # in this process
+    assert status == 0, stderr
     expected = llm.generate(
         ["The Python interpreter", "A list comprehension is", "The"],
         SamplingParams(max_tokens=6, temperature=0),
     )
     for out in expected:
-        assert out.prompt + out.outputs[0].text in result.stdout
-    assert result.stdout.count("--- request") == 3
-    summary = result.stderr.strip().splitlines()[-1]
+        assert out.prompt + out.outputs[0].text in stdout
+    assert stdout.count("--- request") == 3
+    summary = stderr.strip().splitlines()[-1]
     assert "3 requests" in summary and "batches of up to 2" in summary and "padding positions" in summary

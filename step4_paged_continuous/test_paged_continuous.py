@@ -9,8 +9,6 @@ sequences write the same cache slot.
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -21,6 +19,7 @@ from hypothesis import strategies as st
 import step2_kvcache
 from common.weights import load_config
 
+from .__main__ import main as cli_main
 from .block_manager import BlockManager
 from .config import EngineArgs
 from .engine import LLMEngine
@@ -522,25 +521,11 @@ def test_random_schedules_keep_invariants_and_outputs(
         assert outputs[str(i)] == expected[:n]
 
 
-def test_cli_several_prompts(demo_snapshot):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            __package__,
-            "The Python interpreter",
-            "A list comprehension is",
-            "--max-tokens",
-            "6",
-            "--max-num-seqs",
-            "2",
-            "--block-size",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,  # a safety net against a hang, not a measure: a loaded machine can take minutes
+def test_cli_several_prompts(demo_snapshot, run_main):
+    prompts = ["The Python interpreter", "A list comprehension is"]
+    status, stdout, stderr = run_main(  # in this process
+        cli_main, [*prompts, "--max-tokens", "6", "--max-num-seqs", "2", "--block-size", "4"]
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("--- request") == 2
-    assert "preemption(s)" in result.stderr and "blocks x 4 tokens" in result.stderr
+    assert status == 0, stderr
+    assert stdout.count("--- request") == 2
+    assert "preemption(s)" in stderr and "blocks x 4 tokens" in stderr

@@ -17,6 +17,7 @@ import torch
 
 import step4_paged_continuous
 
+from .__main__ import main as cli_main
 from .config import EngineArgs, choose_attention_backend
 from .engine import LLMEngine
 from .kernels import triton_usable
@@ -112,32 +113,13 @@ def test_triton_backend_refused_where_it_cannot_run(demo_snapshot, monkeypatch):
     assert LLMEngine(model=str(demo_snapshot), attention_backend="auto").attention_backend == "torch"
 
 
-def test_cli_attention_backend(demo_snapshot):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            __package__,
-            "The Python interpreter",
-            "x",
-            "--max-tokens",
-            "4",
-            "--attention-backend",
-            "torch",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,  # a safety net against a hang, not a measure: a loaded machine can take minutes
-    )
-    assert result.returncode == 0, result.stderr
-    assert "torch attention" in result.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", __package__, "hi", "--attention-backend", "flash"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert bad.returncode == 2 and bad.stdout == ""
+def test_cli_attention_backend(demo_snapshot, run_main):
+    args = ["The Python interpreter", "x", "--max-tokens", "4", "--attention-backend", "torch"]
+    status, _, stderr = run_main(cli_main, args)  # in this process
+    assert status == 0, stderr
+    assert "torch attention" in stderr
+    status, stdout, _ = run_main(cli_main, ["hi", "--attention-backend", "flash"])
+    assert status == 2 and stdout == ""
 
 
 @pytest.mark.gpu

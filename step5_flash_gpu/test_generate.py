@@ -20,6 +20,7 @@ from transformers import GPT2LMHeadModel
 from step0_model import GPT as Step0GPT
 
 from . import model_runner
+from .__main__ import main as cli_main
 from .config import EngineArgs
 from .llm import LLM
 from .sampling_params import Logprob, RequestOutputKind, SamplingParams
@@ -464,11 +465,11 @@ def test_cli_streams_text_then_summary(llm):
         ["hi", "--model", "/no/such/dir"],
     ],
 )
-def test_cli_bad_input_is_one_line_and_exit_2(args):
-    result = run_cli(*args)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
+def test_cli_bad_input_is_one_line_and_exit_2(args, run_main):
+    status, out, err = run_main(cli_main, args)  # in this process; as a process: below
+    assert status == 2
+    assert out == ""
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
 
 
@@ -586,8 +587,17 @@ def test_cli_ctrl_c_ends_quietly_with_status_130(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["hi", "--max-tokens", "abc"], ["hi", "--no-such-option"]])
-def test_cli_bad_option_is_one_line_and_exit_2(args):
-    result = run_cli(*args)
+def test_cli_bad_option_is_one_line_and_exit_2(args, run_main):
+    status, out, err = run_main(cli_main, args)
+    assert status == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_cli_bad_option_as_a_process():
+    """The bad-input cases above call ``main`` in this process: the real process exits with status 2 and
+    one line too (argparse's SystemExit here; main's returned 2 in test_cli_hub_model_offline_...)."""
+    result = run_cli("hi", "--max-tokens", "abc")
     assert result.returncode == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")

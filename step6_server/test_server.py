@@ -36,6 +36,7 @@ import uvicorn
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from .__main__ import main as cli_main
 from .__main__ import make_parser, parse_args
 from .api_server import build_app
 from .engine import LLMEngine
@@ -930,16 +931,16 @@ def test_cli_help_shows_every_default(capsys):
     assert re.search(r"--dtype \{float32,float16,bfloat16\} [^-]*\(default float32\)", text), text
 
 
-def test_cli_a_port_in_use_is_reported_before_the_model_loads():
+def test_cli_a_port_in_use_is_reported_before_the_model_loads(run_main):
     """The port is bound first: a busy port is one line naming it, exit 2, before any model is read
-    (the model given here does not exist: its error would come first otherwise)."""
+    (the model given here does not exist: its error would come first otherwise). In this process: main
+    returns before it serves (test_cli_bad_flag_as_a_process checks the exit status of the process)."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = _cli("--model", "/nonexistent/model/folder", "--port", str(port))
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+        status, _, err = run_main(cli_main, ["--model", "/nonexistent/model/folder", "--port", str(port)])
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert f"port {port}" in err and "in use" in err and "nonexistent" not in err
 
 
