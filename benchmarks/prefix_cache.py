@@ -1,15 +1,16 @@
 """Step 9's benchmark: prefix caching on a shared-prefix workload and on one that shares nothing.
 
 Two workloads of requests arriving as a Poisson process (fixed seed), greedy, ``ignore_eos``: ``shared`` (a
-384-token system prompt every request starts with, then 32 tokens of its own) and ``unique`` (the same lengths
-and arrivals, every prompt its own); 64 requests generating 64 tokens, at 8 per second on the CPU (the demo
-checkpoint: 416 + 64 tokens fit its 512-token window) and 2,000 per second on a GPU (a burst, faster
-than step 8 prefills). Engines, alternated within each run: ``step9`` (``step9_prefix_cache.LLMEngine``, prefix caching on)
-and ``step8`` (``step8_async_scheduling.LLMEngine``, the step before the cache: it computes every prompt
-token). Each run draws new token ids (the same for both engines), so nothing is cached from an earlier run or
-the warm-up: the system prompt is cold when a run starts. Figures: TTFT p50 and p99, throughput (generated
-tokens / wall time), the prefix-cache hit rate (tokens) and the prefill tokens computed (prompt tokens
-admitted - found cached, recomputation after preemption included).
+384-token system prompt every request starts with, then 32 tokens of its own) and ``unique`` (the same
+lengths and arrivals, every prompt its own); 64 requests generating 64 tokens, at 8 per second on the CPU
+(the demo checkpoint: 416 + 64 tokens fit its 512-token window) and 2,000 per second on a GPU (a burst,
+faster than step 8 prefills). Engines, alternated within each run: ``step9``
+(``step9_prefix_cache.LLMEngine``, prefix caching on) and ``step8`` (``step8_async_scheduling.LLMEngine``,
+the step before the cache: it computes every prompt token). Each run draws new token ids (the same for both
+engines), so nothing is cached from an earlier run or the warm-up: the system prompt is cold when a run
+starts. Figures: TTFT p50 and p99, throughput (generated tokens / wall time), the prefix-cache hit rate
+(tokens) and the prefill tokens computed (prompt tokens admitted - found cached, recomputation after
+preemption included).
 
     OMP_NUM_THREADS=1 python -m benchmarks prefix_cache   # CPU: the demo checkpoint, 3 runs (~3 min)
     python -m benchmarks prefix_cache --device cuda      # GPT-2 124M shapes, random weights, fp16
