@@ -405,7 +405,12 @@ sys.addaudithook(refuse)
 # closes the child's stdin (as output to a terminal that stopped reading waits). The CLI is then still
 # generating when the test acts (Ctrl-C, a closed pipe), however a loaded machine schedules the two.
 HOLD_OUTPUT = """
+import signal
 import sys
+
+# Ctrl-C raises KeyboardInterrupt as in a terminal, also when the test run itself ignores SIGINT (a job a
+# shell started in the background: its children inherit the ignored signal, and Python then leaves it so)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class HeldOutput:
     def __init__(self, stream):
