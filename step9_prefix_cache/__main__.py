@@ -69,8 +69,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-waiting-requests",
         type=int,
         default=DEFAULT_MAX_WAITING_REQUESTS,
-        help="waiting requests beyond which new ones get 429; a request with more engine requests "
-        f"(prompts x n) gets 400 (default {DEFAULT_MAX_WAITING_REQUESTS})",
+        help="waiting requests beyond which new ones get 429; a request with more prompts gets 400 "
+        f"(default {DEFAULT_MAX_WAITING_REQUESTS})",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     parser.add_argument(

@@ -112,7 +112,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, cached: list[int]) -> None:
         """Give a new sequence its blocks: the cached ones ``cached`` (one reference more each), then fresh
-        blocks for the rest of its tokens. Counts the prefix-cache query and hits."""
+        blocks for the rest of its tokens. Counts the prefix-cache query and hits (with the cache on)."""
         if seq.request_id in self.block_tables:
             raise RuntimeError(f"sequence {seq.request_id} already has blocks")
         for block_id in cached:
@@ -120,8 +120,9 @@ class BlockManager:
         fresh = self._take(self.blocks_for(len(seq)) - len(cached))
         self.block_tables[seq.request_id] = list(cached) + fresh
         self.block_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached]
-        self.num_queried_tokens += len(seq)
-        self.num_hit_tokens += len(cached) * self.block_size
+        if self.enable_prefix_caching:  # with the cache off nothing is looked up (vLLM counts nothing)
+            self.num_queried_tokens += len(seq)
+            self.num_hit_tokens += len(cached) * self.block_size
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """A new sequence ``child_id`` holding every block of ``parent_id`` by reference (a choice of

@@ -214,10 +214,10 @@ class OpenAIServing:
             )
 
     def check_admissible(self, num_prompts: int, n: int) -> None:
-        """A request makes ``num_prompts * n`` sequences, all waiting at first: more than the waiting
-        limit could never be queued, however long the client waited; and the n choices of a prompt run
-        together, so n may not exceed the engine's ``max_num_seqs``. APIError 400 naming the limit (a 429
-        would tell the client to retry what can never succeed)."""
+        """A request makes one engine request per prompt (its n choices run inside it), all waiting at
+        first: more than the waiting limit could never be queued, however long the client waited; and the
+        n choices of a prompt run together, so n may not exceed the engine's ``max_num_seqs``. APIError 400
+        naming the limit (a 429 would tell the client to retry what can never succeed)."""
         if n > self.engine.args.max_num_seqs:
             raise bad_request(
                 f"n={n}: the choices of a prompt run together, and this server runs at most "
@@ -225,12 +225,11 @@ class OpenAIServing:
                 "n",
             )
         limit = self.bridge.max_waiting_requests
-        if num_prompts * n > limit:
+        if num_prompts > limit:
             raise bad_request(
-                f"This request makes {num_prompts * n} engine requests ({num_prompts} prompt(s) x n={n}), "
-                f"more than this server ever queues (max_waiting_requests={limit}): send fewer prompts "
-                "or a smaller n.",
-                "n" if n > 1 else "prompt",
+                f"This request makes {num_prompts} engine requests (one per prompt), more than this server "
+                f"ever queues (max_waiting_requests={limit}): send fewer prompts.",
+                "prompt",
             )
 
     def response_head(self, response_id: str, obj: str) -> dict:
