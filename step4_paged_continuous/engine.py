@@ -118,9 +118,12 @@ class LLMEngine:
             )  # a text can hold added tokens the model lacks
             raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
+            bound = f"context window: {window} tokens"
+            if self.max_model_len < window:
+                bound = f"the KV-cache pool holds {self.max_model_len} tokens"
             raise ValueError(
                 f"prompt of {len(ids)} tokens leaves no room to generate: at most "
-                f"{self.max_model_len - 1} prompt tokens fit (context window: {window} tokens)"
+                f"{self.max_model_len - 1} prompt tokens fit ({bound})"
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: every id must be < vocab_size={vocab}")
