@@ -259,11 +259,9 @@ class LLMEngine:
             if (out := seq.output()) is not None:
                 outputs.append(out)
             if seq.finished:  # leaves the batch now; its blocks are free for the next step
-                # abort() removes it from the running list or, if it was preempted when the step now in
-                # flight was scheduled, from the waiting queue (finish() expects it running). Its blocks
-                # may still be written by the step in flight; a later step that reuses them is queued
-                # behind it on the same stream, so it reads and writes them only after that one.
-                self.scheduler.abort(seq)
+                # Its blocks may still be written by the step in flight; a later step that reuses them is
+                # queued behind it on the same stream, so it reads and writes them only after that one.
+                self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
         return outputs
 

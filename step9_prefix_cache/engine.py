@@ -288,14 +288,9 @@ class LLMEngine:
             if (out := seq.output()) is not None:
                 outputs.append(out)
             if seq.finished:  # leaves the batch now; its blocks are free for the next step
-                # finish() registers its computed blocks and frees them; a sequence preempted when the step
-                # now in flight was scheduled sits in the waiting queue and holds none: abort() removes it.
                 # Its blocks may still be written by the step in flight; a later step that reuses them is
                 # queued behind it on the same stream, so it reads and writes them only after that one.
-                if seq in self.scheduler.running:
-                    self.scheduler.finish(seq)
-                else:
-                    self.scheduler.abort(seq)
+                self.scheduler.finish(seq)
                 self.retire(seq)
         return outputs
 

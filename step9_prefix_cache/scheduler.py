@@ -145,8 +145,12 @@ class Scheduler:
         return out
 
     def finish(self, seq: Sequence) -> None:
-        """A running sequence is done: it leaves the batch, the full blocks it computed join the cache,
-        and its blocks are free at once."""
+        """A sequence is done: it leaves the batch, the full blocks it computed join the cache, and its
+        blocks are free at once. With async scheduling it may have been preempted while its last token was
+        in flight: then it leaves the waiting queue, holding no blocks."""
+        if seq.request_id not in self.block_manager.block_tables:  # preempted: waiting, no blocks
+            self.waiting.remove(seq)
+            return
         self.running.remove(seq)
         self.block_manager.cache_blocks(seq)
         self.block_manager.free(seq.request_id)

@@ -94,14 +94,13 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_chat.py",
         "metrics.py",
     ],
-    # step 8 changes the engine's step, the model runner's launch, the input buffers and the arguments (and
-    # the CLI's flag, the package's name): the scheduler, the sampler, the sequence and the graphs stay
+    # step 8 changes the engine's step, the model runner's launch, the input buffers, the scheduler's finish
+    # and the arguments (and the CLI's flag, the package's name): the sampler, the sequence, the graphs stay
     "step8_async_scheduling": [
         "sampling_params.py",
         "sampler.py",
         "sequence.py",
         "llm.py",
-        "scheduler.py",
         "block_manager.py",
         "kv_cache.py",
         "model.py",
