@@ -28,6 +28,7 @@ from pathlib import Path
 
 from . import harness, serving
 from .models import snapshot
+from .server import poisson
 from .workloads import Request
 
 NAME = "prefix_cache"
@@ -52,15 +53,13 @@ def workload(kind: str, run: int, vocab_size: int, num_requests: int, max_tokens
     request's own) or "unique" (every prompt its own, the same lengths); Poisson arrivals at ``rate`` per
     second (the same every run, seed ARRIVAL_SEED); token ids drawn from TOKEN_SEED + run, never the
     end-of-text id (the last)."""
-    arrivals, t = random.Random(ARRIVAL_SEED), 0.0
     ids = random.Random(TOKEN_SEED + run)
     draw = lambda n: [ids.randrange(vocab_size - 1) for _ in range(n)]  # noqa: E731
     shared = draw(SHARED_TOKENS)
     requests = []
-    for i in range(num_requests):
+    for i, at in enumerate(poisson(num_requests, rate, ARRIVAL_SEED)):
         prompt = (shared if kind == "shared" else draw(SHARED_TOKENS)) + draw(OWN_TOKENS)
-        requests.append(Request(i, prompt, max_tokens, t))
-        t += arrivals.expovariate(rate)
+        requests.append(Request(i, prompt, max_tokens, at))
     return requests
 
 
