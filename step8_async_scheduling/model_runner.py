@@ -23,7 +23,7 @@ result exists: the forward pass, the sampler's device part (``sample_on_device``
 sampled ids into ``InputBatch.last_token`` by row (where the next step's decode lanes gather their input
 ids: the next step can be launched before the host has read these), and a non-blocking copy of the packed
 sampler output into pinned host memory, followed by an event. ``AsyncModelRunnerOutput.get_output`` waits
-for that event and unpacks the tokens; ``run`` is the two back to back (the serial step). Sources: vLLM's
+for that event and unpacks the tokens; the serial step (step 7's) is the two back to back. Sources: vLLM's
 ``AsyncModelRunnerOutput`` (``gpu_model_runner.py``), SGLang's overlap scheduler (``event_loop_overlap``).
 """
 
@@ -102,11 +102,6 @@ class ModelRunner:
             max_num_seqs, max_num_batched_tokens, self.max_blocks, kv_cache.block_size, scratch_block, device
         )
         self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cudagraphs
-
-    def run(self, scheduled: SchedulerOutput) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One step, serially: ``launch``, then wait for its tokens. One sampled token per sequence (and
-        its logprobs, if asked for), in the order prefills + decodes."""
-        return self.launch(scheduled).get_output()
 
     @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput) -> AsyncModelRunnerOutput:
