@@ -72,7 +72,7 @@ def run_step2(llm, module, requests: list[Request], device: str = "cpu") -> dict
         # the request starts when the previous one has finished (or at 0): its prefill begins then
         started = records[-1]["finished_s"] if records else 0.0
         records.append(
-            _record(r, started, m.token_times[0] - t0, m.finished_time - t0, len(out.outputs[0].token_ids))
+            _record(r, started, m.token_times[0] - t0, m.token_times[-1] - t0, len(out.outputs[0].token_ids))
         )
     return {"wall_s": wall, "requests": records}
 
@@ -114,12 +114,12 @@ def run_step3(llm, module, requests: list[Request], batch_size: int, device: str
         generated = [len(out.outputs[0].token_ids) for out in outs]
         for r, out, n in zip(batch, outs, generated):
             m = out.metrics
-            records.append(_record(r, start, m.token_times[0] - t0, m.finished_time - t0, n, None, None))
+            records.append(_record(r, start, m.token_times[0] - t0, m.token_times[-1] - t0, n, None, None))
         # the engine's reservation: every row holds the longest prompt + the largest generation budget
         longest = max(r.prompt_tokens for r in batch)
         capacity = longest + max(min(window, r.prompt_tokens + r.max_tokens) - r.prompt_tokens for r in batch)
         kv = module.kv_cache.KVCache(
-            llm.config, capacity, "meta", engine.dtype, batch_size=len(batch)
+            llm.config, capacity, "meta", engine.dtype, [0] * len(batch)
         )  # sizes only
         batches.append(
             {

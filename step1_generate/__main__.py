@@ -113,18 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = sampling_params(args)
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
-        outputs = llm.stream_outputs(args.prompt, params)  # validates the request
+        seq = llm.engine.make_sequence("cli", args.prompt, params)  # validates the request
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     print(args.prompt, end="", flush=True)
-    num_tokens = 0
-    for out in outputs:
-        print(out.outputs[0].text, end="", flush=True)  # what is new since the last output
-        num_tokens += len(out.outputs[0].token_ids)
+    shown = 0
+    for _ in llm.engine.run([seq]):  # after every step: print the text it released
+        print(seq.text[shown:], end="", flush=True)
+        shown = len(seq.text)
     print()
-    m = out.metrics
+    out, m = seq.output(), seq.metrics
+    num_tokens = len(out.outputs[0].token_ids)
     decode = (
         f"decode {m.decode_tokens_per_s:.1f} tok/s ({1e3 / m.decode_tokens_per_s:.1f} ms/token)"
         if m.decode_tokens_per_s

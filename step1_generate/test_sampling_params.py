@@ -1,5 +1,5 @@
 """SamplingParams' validation and defaults (vLLM's), kept in step 1 only: ``sampling_params.py`` is the
-same file in every step (tests/test_layout.py checks it)."""
+same file in every step (tests/test_layout.py checks it) but for step 4's ``output_kind``, tested there."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,6 @@ from .sampling_params import RequestOutputKind, SamplingParams
         ("seed", 2**64, "seed"),
         ("seed", -(2**63) - 1, "seed"),
         ("seed", 1.0, "seed"),
-        ("output_kind", "delta", "output_kind"),
     ],
 )
 def test_bad_sampling_params_raise(field, value, message):
@@ -68,12 +67,11 @@ def test_defaults_and_edge_values_are_vllms():
         None,
     )
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.seed) == ([], [], False, None)
-    assert p.output_kind is RequestOutputKind.CUMULATIVE
     assert (
         SamplingParams(stop="x").stop == ["x"]
         and SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == []
     )
     for ok in [dict(top_k=-1), dict(presence_penalty=-2, frequency_penalty=2), dict(logprobs=0),
                dict(logprobs=5), dict(seed=2**64 - 1), dict(seed=-(2**63)), dict(temperature=0),
-               dict(min_p=1), dict(output_kind=RequestOutputKind.DELTA)]:  # fmt: skip
+               dict(min_p=1)]:  # fmt: skip
         SamplingParams(**ok)

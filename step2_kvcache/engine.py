@@ -1,24 +1,25 @@
-"""The engine: ``LLMEngine`` takes requests and advances them one step at a time (vLLM's names).
+"""The engine: ``LLMEngine`` runs requests one step at a time (vLLM's name).
 
-Every ``step`` picks the requests to run, hands them to the ``ModelRunner`` (one forward pass, one
-sampled token each), appends the tokens to their sequences, and returns the outputs that are due.
-This step runs one request at a time, oldest first, until it finishes, with a KV cache of its own
-(model_runner.py); ``LLM`` (llm.py) sits on top.
+Every ``step`` hands the running sequences to the ``ModelRunner`` (one forward pass, one sampled token
+each) and appends the tokens to their sequences. This step runs one request at a time, in the order
+given, until it finishes, with a KV cache of its own (model_runner.py); ``LLM`` (llm.py) sits on top.
+Requests that come and go at any step (vLLM's ``add_request`` / ``step`` / ``abort_request``) arrive
+with continuous batching, in step 4.
 """
 
 from __future__ import annotations
 
 import operator
-import time
-from collections import deque
+from collections.abc import Iterator
 
 from common.tokenizer import Tokenizer
 
 from .config import EngineArgs
+from .kv_cache import KVCache
 from .model import GPT
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
-from .sequence import RequestOutput, Sequence
+from .sequence import Sequence
 
 
 def as_token_ids(ids) -> list[int]:
@@ -33,7 +34,7 @@ def as_token_ids(ids) -> list[int]:
 
 
 class LLMEngine:
-    """The generation engine, driven one step at a time.
+    """The generation engine: ``run`` takes sequences made by ``make_sequence`` to their ends.
 
     The arguments are those of ``EngineArgs`` (config.py), which checks them before any weights load:
     raises ValueError on a bad argument; ConnectionError if a Hub model cannot be fetched.
@@ -47,28 +48,15 @@ class LLMEngine:
         self.config = self.model.config
         self.max_model_len = args.max_model_len  # tokens one request can reach, prompt included
         self.model_runner = ModelRunner(self.model, self.tokenizer, self.device)
-        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.aborted: list[RequestOutput] = []  # final outputs of aborted requests, returned by the next step
-
-    def add_request(
-        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
-    ) -> None:
-        """Queue a request; ``prompt`` is a text or a list of token ids. Raises ValueError (see
-        ``make_sequence``) before the request enters the queue."""
-        self.add_sequence(self.make_sequence(request_id, prompt, sampling_params))
 
     def make_sequence(
         self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
     ) -> Sequence:
-        """Tokenize and check one request, the one place where requests are validated; queues nothing.
+        """Tokenize and check one request, the one place where requests are validated; runs nothing.
 
-        Raises ValueError if the id is in use, the prompt or the parameters are bad, or the request can
-        never run (no room to generate in the context window).
+        Raises ValueError if the prompt or the parameters are bad, or the request can never run (no room
+        to generate in the context window).
         """
-        if not isinstance(request_id, str) or request_id in self.requests:
-            raise ValueError(f"request_id={request_id!r}: must be a string not used by an unfinished request")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -93,49 +81,18 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: every id must be < vocab_size={vocab}")
         return Sequence(request_id, text, ids, params, self.tokenizer, self.max_model_len, self.device)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queue a sequence made by ``make_sequence``."""
-        self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+    def run(self, seqs: list[Sequence]) -> Iterator[None]:
+        """Take ``seqs`` to their ends, one at a time in the given order. A generator: each item read is one
+        step (the running sequence's new token appended), so a caller can stream it; closing it stops it."""
+        for seq in seqs:
+            kv_cache = self.model_runner.allocate_kv_cache([seq])
+            while not seq.finished:
+                self.step([seq], kv_cache)
+                yield
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request, waiting or running; unknown or finished ids are ignored. Its final output
-        (finish_reason "abort") comes out of the next ``step``."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq in self.running:  # neither when an interrupt (Ctrl-C) landed inside step()'s hand-over
-            self.running.remove(seq)
-        seq.finish("abort")
-        self.aborted.append(seq.output())
-
-    def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running (an aborted one's last output may still be due)."""
-        return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        """One iteration: the running request's new tokens through the model, one token sampled and appended.
-
-        Returns the outputs due in this step (per each request's ``output_kind``).
-        """
-        outputs, self.aborted = self.aborted, []
-        if not self.running and self.waiting:  # the next request, in arrival order
-            self.running = [self.waiting.popleft()]
-            self.running[0].metrics.first_scheduled_time = time.perf_counter()
-            self.model_runner.allocate_kv_cache(self.running)
-        if not self.running:
-            return outputs
-        token_ids, logprobs = self.model_runner.run(self.running)
-        for seq, token_id, token_logprobs in zip(self.running, token_ids, logprobs):
+    def step(self, seqs: list[Sequence], kv_cache: KVCache) -> None:
+        """One iteration: the sequences' new tokens through the model (``kv_cache`` holds the others'
+        keys and values), one token sampled and appended to each."""
+        token_ids, logprobs = self.model_runner.run(seqs, kv_cache)
+        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
             seq.append(token_id, token_logprobs)
-            if (out := seq.output()) is not None:
-                outputs.append(out)
-            if seq.finished:
-                del self.requests[seq.request_id]
-        self.running = [seq for seq in self.running if not seq.finished]
-        return outputs

@@ -1,20 +1,16 @@
 """``LLM``: generate text offline, the entry point named as in vLLM, on top of ``LLMEngine``.
 
-``generate`` queues every prompt and steps the engine until all have finished; ``stream`` yields one
-completion's text as it is generated. Every request is tokenized and validated once, by the engine,
-before any of them is queued.
+``generate`` runs every prompt to its end; ``stream`` yields one completion's text as it is generated.
+Every request is tokenized and validated once, by the engine, before any of them runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import itertools
-from collections import deque
 from collections.abc import Iterator
 
 from .engine import LLMEngine
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput, Sequence
 
 
@@ -35,7 +31,6 @@ class LLM:
         self.model = self.engine.model
         self.config = self.engine.config
         self._request_ids = itertools.count()
-        self._outputs: dict[str, deque[RequestOutput]] = {}  # outputs not yet read, per request of this LLM
 
     def get_tokenizer(self):
         """The tokenizer (``common.tokenizer.Tokenizer``): encode(text) -> ids, decode(ids) -> text."""
@@ -51,77 +46,26 @@ class LLM:
         input order.
 
         sampling_params: one for all prompts, or one per prompt; default ``SamplingParams()`` (vLLM's
-        defaults: temperature 1.0, 16 tokens). Every request is validated before any is queued; a bad
-        one raises ValueError naming it. If anything interrupts the loop, this call's unfinished requests
-        are aborted, so that none is left behind.
+        defaults: temperature 1.0, 16 tokens). Every request is validated before any runs; a bad one
+        raises ValueError naming it.
         """
-        seqs = self._make_sequences(prompts, sampling_params, prompt_token_ids, RequestOutputKind.FINAL_ONLY)
-        outputs = []
-        try:
-            for seq in seqs:
-                self._add(seq)
-            for seq in seqs:
-                last = None
-                for last in self._follow(seq.request_id):  # steps the engine: every request advances together
-                    pass
-                outputs.append(last)
-        finally:
-            for seq in seqs:
-                self._stop(seq.request_id)
-        return outputs
+        seqs = self._make_sequences(prompts, sampling_params, prompt_token_ids)
+        for _ in self.engine.run(seqs):  # every request to its end
+            pass
+        return [seq.output() for seq in seqs]
 
     def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion piece by piece, as it is generated.
 
-        The request is validated when ``stream`` is called (ValueError), before the first token.
-        Closing the stream (or leaving a loop over it early) aborts the request.
+        The request is validated when ``stream`` is called (ValueError), before the first token. It runs
+        as the stream is read, and stops when the stream is closed (or a loop over it is left early);
+        several streams of one ``LLM`` may be read in any interleaving.
         """
-        return _text_deltas(self.stream_outputs(prompt, sampling_params))
+        (seq,) = self._make_sequences([prompt], sampling_params, None)
+        return _text_deltas(seq, self.engine.run([seq]))
 
-    def stream_outputs(
-        self, prompt: str, sampling_params: SamplingParams | None = None
-    ) -> Iterator[RequestOutput]:
-        """Like ``stream``, but yield a ``RequestOutput`` after every token, carrying what is new (DELTA).
-
-        The request enters the engine when the first output is asked for, and leaves it when the stream
-        ends or is closed. Several streams of one ``LLM`` may be read in any interleaving.
-        """
-        (seq,) = self._make_sequences([prompt], sampling_params, None, RequestOutputKind.DELTA)
-        return self._stream(seq)
-
-    def _stream(self, seq: Sequence) -> Iterator[RequestOutput]:
-        self._add(seq)
-        try:
-            yield from self._follow(seq.request_id)
-        finally:
-            self._stop(seq.request_id)
-
-    def _follow(self, request_id: str) -> Iterator[RequestOutput]:
-        """The outputs of one request, in order, up to its final one; steps the engine whenever none is
-        waiting. Each step's outputs go to their own request's queue: readers of other requests lose none."""
-        queue = self._outputs[request_id]
-        while True:
-            while not queue:
-                if request_id not in self.engine.requests and not self.engine.aborted:
-                    return  # aborted, and its last output taken, by a caller of the engine itself
-                for out in self.engine.step():
-                    if out.request_id in self._outputs:
-                        self._outputs[out.request_id].append(out)
-            out = queue.popleft()
-            yield out
-            if out.finished:
-                return
-
-    def _add(self, seq: Sequence) -> None:
-        self._outputs[seq.request_id] = deque()
-        self.engine.add_sequence(seq)
-
-    def _stop(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)  # nothing happens if it has finished
-        self._outputs.pop(request_id, None)
-
-    def _make_sequences(self, prompts, sampling_params, prompt_token_ids, output_kind) -> list[Sequence]:
-        """One validated sequence per prompt (ValueError, naming the prompt, before anything is queued)."""
+    def _make_sequences(self, prompts, sampling_params, prompt_token_ids) -> list[Sequence]:
+        """One validated sequence per prompt (ValueError, naming the prompt, before anything runs)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass either prompts or prompt_token_ids")
         if prompts is not None:
@@ -148,7 +92,6 @@ class LLM:
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         seqs = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            params = dataclasses.replace(params, output_kind=output_kind)
             try:
                 seqs.append(self.engine.make_sequence(str(next(self._request_ids)), prompt, params))
             except ValueError as e:
@@ -156,10 +99,10 @@ class LLM:
         return seqs
 
 
-def _text_deltas(outputs: Iterator[RequestOutput]) -> Iterator[str]:
-    with contextlib.closing(
-        outputs
-    ):  # closing this stream closes the request's own at once, not at garbage collection
-        for out in outputs:
-            if out.outputs[0].text:
-                yield out.outputs[0].text
+def _text_deltas(seq: Sequence, steps: Iterator[None]) -> Iterator[str]:
+    """The new text of ``seq`` after every step that released some."""
+    sent = 0
+    for _ in steps:
+        if len(seq.text) > sent:
+            yield seq.text[sent:]
+            sent = len(seq.text)

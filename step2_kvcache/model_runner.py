@@ -28,26 +28,28 @@ class ModelRunner:
         self.config = model.config  # the cache's shape
         self.tokenizer = tokenizer
         self.device = device
-        self.kv_cache: KVCache | None = None  # the running sequence's
 
-    def allocate_kv_cache(self, seqs: list[Sequence]) -> None:
+    def allocate_kv_cache(self, seqs: list[Sequence]) -> KVCache:
         """A new, empty KV cache for the sequence that starts now, sized for its prompt + max_tokens."""
         (seq,) = seqs
-        self.kv_cache = KVCache(self.config, seq.max_len, self.device, self.model.wte.weight.dtype)
+        return KVCache(self.config, seq.max_len, self.device, self.model.wte.weight.dtype)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs if asked)."""
-        input_ids = self.prepare_inputs(seqs)
+    def run(
+        self, seqs: list[Sequence], kv_cache: KVCache
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """One forward pass for ``seqs`` over their ``kv_cache``, then one sampled token per sequence (and
+        its logprobs if asked)."""
+        input_ids = self.prepare_inputs(seqs, kv_cache)
         # [B, V]: the scores of the token after the last one
-        logits = self.model(input_ids, self.kv_cache, last_only=True)[:, -1]
+        logits = self.model(input_ids, kv_cache, last_only=True)[:, -1]
         return self.sample(seqs, logits)
 
-    def prepare_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
+    def prepare_inputs(self, seqs: list[Sequence], kv_cache: KVCache) -> torch.Tensor:
         """The model's input: [1, T], the whole prompt on the first step (prefill), then [1, 1], only the
         newest token (decode): the cache holds the rest."""
         (seq,) = seqs
-        if self.kv_cache.length == 0:
+        if kv_cache.length == 0:
             return self.to_device([seq.token_ids])  # [1, T]: the prompt (prefill)
         return self.to_device([seq.token_ids[-1:]])  # [1, 1]: only the new token (decode)
 

@@ -1,19 +1,10 @@
-"""What a request asks for, with vLLM's names: ``SamplingParams``, ``RequestOutputKind``, ``Logprob``.
+"""What a request asks for, with vLLM's names: ``SamplingParams`` and ``Logprob``.
 ``SamplingParams`` checks its fields when made, so the sampler (``sampler.py``) checks none of them."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
-
-
-class RequestOutputKind(Enum):
-    """Which outputs a request gets, as vLLM's ``RequestOutputKind``."""
-
-    CUMULATIVE = 0  # every output carries everything so far (the default)
-    DELTA = 1  # every output carries only what is new since the previous one (servers, streams)
-    FINAL_ONLY = 2  # one output, when the request finishes (LLM.generate)
 
 
 @dataclass
@@ -57,7 +48,6 @@ class SamplingParams:
     seed: seed of this request's own random generator, in [-2**63, 2**64); None = nondeterministic.
         A seeded request draws only from its own generator, so it gives the same tokens on the same
         device whichever requests share its batch.
-    output_kind: CUMULATIVE (everything so far), DELTA (what is new) or FINAL_ONLY (one output at the end).
 
     Raises ValueError, naming the field and its allowed range, on any value out of range; numbers must be
     finite, and bools are not numbers.
@@ -76,7 +66,6 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default_factory=list)  # a list after construction
     ignore_eos: bool = False
     seed: int | None = None
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if self.stop is None:
@@ -106,8 +95,6 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
             ("seed", self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
              "an integer in [-2**63, 2**64) or None"),
-            ("output_kind", isinstance(self.output_kind, RequestOutputKind),
-             "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)"),
         ]  # fmt: skip
         for name, ok, allowed in checks:
             if not ok:

@@ -18,23 +18,20 @@ import torch
 
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
-from .sampling_params import Logprob, RequestOutputKind, SamplingParams
+from .sampling_params import Logprob, SamplingParams
 
 
 @dataclass
 class RequestMetrics:
     """When things happened to one request, in seconds of ``time.perf_counter()``.
 
-    arrival_time: when the request was added; first_scheduled_time: when it first entered a forward
-    pass (so queue time = first_scheduled_time - arrival_time); token_times: when each output token
-    was sampled; finished_time: when it finished. ttft_s: time to first token (arrival -> first token);
-    decode_latencies_s: the gaps between consecutive tokens (inter-token latency, ITL).
+    arrival_time: when the request was made; token_times: when each output token was sampled.
+    ttft_s: time to first token (arrival -> first token); decode_latencies_s: the gaps between
+    consecutive tokens (inter-token latency, ITL).
     """
 
     arrival_time: float
-    first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    finished_time: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -59,11 +56,10 @@ class CompletionOutput:
     text: the output text (special tokens and stop strings left out; a stop token from
     ``stop_token_ids`` that is an ordinary token stays in, as in vLLM); token_ids: the output ids (a
     stop token included); finish_reason: None while running, "stop" (end of sequence, a stop token or
-    a stop string), "length" (max_tokens or the context window) or "abort"; stop_reason: the stop
+    a stop string) or "length" (max_tokens or the context window); stop_reason: the stop
     string or stop token id that ended it (None at the end-of-sequence token); logprobs: None unless
     ``SamplingParams.logprobs`` was set, else one dict per token of token_ids, holding the sampled id
-    and the n most likely ids. With ``RequestOutputKind.DELTA`` text, token_ids and logprobs hold only
-    what is new since the request's previous output.
+    and the n most likely ids.
     """
 
     index: int
@@ -130,8 +126,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self.num_sent_tokens = 0  # what earlier DELTA outputs carried
-        self.num_sent_chars = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -173,10 +167,9 @@ class Sequence:
         self.text += released
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
-        """End the request: reason "stop", "length" or "abort"."""
+        """End the request: reason "stop" or "length"."""
         self.finish_reason = reason
         self.stop_reason = stop_reason
-        self.metrics.finished_time = time.perf_counter()
 
     def _first_stop_string(self) -> tuple[int, str] | None:
         """(where it starts, which) for the earliest stop string in the held-back text, or None."""
@@ -193,22 +186,14 @@ class Sequence:
                     break
         return longest
 
-    def output(self) -> RequestOutput | None:
-        """The output due now under the request's ``output_kind``: everything so far (CUMULATIVE), what
-        is new since the last output (DELTA), or nothing until the request has finished (FINAL_ONLY)."""
-        kind = self.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
-            return None
-        tokens, chars = (
-            (self.num_sent_tokens, self.num_sent_chars) if kind is RequestOutputKind.DELTA else (0, 0)
-        )
-        self.num_sent_tokens, self.num_sent_chars = len(self.output_token_ids), len(self.text)
+    def output(self) -> RequestOutput:
+        """What the request has produced so far (its final output once it has finished)."""
         completion = CompletionOutput(
             index=0,
-            text=self.text[chars:],
-            token_ids=self.output_token_ids[tokens:],
+            text=self.text,
+            token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
-            logprobs=None if self.logprobs is None else self.logprobs[tokens:],
+            logprobs=None if self.logprobs is None else list(self.logprobs),
             stop_reason=self.stop_reason,
         )
         return RequestOutput(

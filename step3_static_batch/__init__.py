@@ -2,7 +2,7 @@
 
 from .engine import LLMEngine
 from .llm import LLM
-from .sampling_params import Logprob, RequestOutputKind, SamplingParams
+from .sampling_params import Logprob, SamplingParams
 from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = [
@@ -12,6 +12,5 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
-    "RequestOutputKind",
     "SamplingParams",
 ]

@@ -17,10 +17,12 @@ from common.weights import GPT2Config
 
 
 class KVCache:
-    """A pre-allocated cache for a batch of ``batch_size`` sequences of at most ``capacity`` tokens.
+    """A pre-allocated cache for a batch of ``len(num_pads)`` sequences of at most ``capacity`` tokens.
 
     k[layer], v[layer]: [B, H, capacity, D] buffers, allocated once; positions 0..length-1 are filled,
-    for all rows at once (a left-padded row's first positions hold its padding).
+    for all rows at once. num_pads: row b's first num_pads[b] positions hold its left padding (the
+    prompts are padded to the longest); num_pads_t: the same as a [B] int64 tensor on ``device``, or None
+    for a batch without padding (what the model's attention mask is built from).
     ``update`` writes a layer's new keys and values after the cached ones; the model calls ``advance``
     once all layers have written, so every layer sees the same ``length``.
 
@@ -33,13 +35,15 @@ class KVCache:
         capacity: int,
         device: torch.device | str,
         dtype: torch.dtype,
-        batch_size: int = 1,
+        num_pads: list[int] = (0,),
     ):
-        shape = (batch_size, config.n_head, capacity, config.head_dim)  # [B, H, capacity, D]
+        shape = (len(num_pads), config.n_head, capacity, config.head_dim)  # [B, H, capacity, D]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.capacity = capacity
         self.length = 0  # tokens cached
+        self.num_pads = list(num_pads)
+        self.num_pads_t = torch.tensor(self.num_pads, device=device) if any(num_pads) else None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new keys and values of ``layer`` and return all of them, cached and new.

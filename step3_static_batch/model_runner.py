@@ -32,36 +32,32 @@ class ModelRunner:
         self.config = model.config  # the cache's shape
         self.tokenizer = tokenizer
         self.device = device
-        self.kv_cache: KVCache | None = None  # the running batch's
-        self.num_pads: list[int] = []  # left-padding positions of each row of the running batch
 
-    def allocate_kv_cache(self, seqs: list[Sequence]) -> None:
+    def allocate_kv_cache(self, seqs: list[Sequence]) -> KVCache:
         """A new, empty KV cache for the batch that starts now: one row per sequence, the prompts left-padded
         to the longest, room for the longest-running row's prompt + max_tokens."""
         longest = max(len(seq) for seq in seqs)
-        self.num_pads = [longest - len(seq) for seq in seqs]
+        num_pads = [longest - len(seq) for seq in seqs]
         capacity = longest + max(seq.max_len - len(seq) for seq in seqs)
-        self.kv_cache = KVCache(
-            self.config, capacity, self.device, self.model.wte.weight.dtype, batch_size=len(seqs)
-        )
-        self.num_pads_t = (
-            self.to_device(self.num_pads) if any(self.num_pads) else None
-        )  # [B], None: no padding
+        return KVCache(self.config, capacity, self.device, self.model.wte.weight.dtype, num_pads)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """One forward pass for ``seqs``, then one sampled token per sequence (and its logprobs if asked)."""
-        input_ids = self.prepare_inputs(seqs)
+    def run(
+        self, seqs: list[Sequence], kv_cache: KVCache
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """One forward pass for ``seqs`` over their ``kv_cache``, then one sampled token per sequence (and
+        its logprobs if asked)."""
+        input_ids = self.prepare_inputs(seqs, kv_cache)
         # [B, V]: the scores of the token after the last one
-        logits = self.model(input_ids, self.kv_cache, self.num_pads_t, last_only=True)[:, -1]
+        logits = self.model(input_ids, kv_cache, kv_cache.num_pads_t, last_only=True)[:, -1]
         return self.sample(seqs, logits)
 
-    def prepare_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
+    def prepare_inputs(self, seqs: list[Sequence], kv_cache: KVCache) -> torch.Tensor:
         """The model's input: [B, T], the left-padded prompts on the first step (prefill), then [B, 1], each
         row's newest token (decode): the cache holds the rest."""
-        if self.kv_cache.length == 0:
+        if kv_cache.length == 0:
             pad_id = self.tokenizer.eos_token_id  # any id: padding is masked out
-            rows = [[pad_id] * n + seq.token_ids for n, seq in zip(self.num_pads, seqs)]
+            rows = [[pad_id] * n + seq.token_ids for n, seq in zip(kv_cache.num_pads, seqs)]
             return self.to_device(rows)  # [B, T]: the prompts (prefill)
         # [B, 1]: each row's newest token (a finished row repeats its last one, computed for nothing)
         return self.to_device([seq.token_ids[-1:] for seq in seqs])

@@ -23,7 +23,7 @@ from . import model_runner
 from .__main__ import main as cli_main
 from .config import EngineArgs
 from .llm import LLM
-from .sampling_params import Logprob, RequestOutputKind, SamplingParams
+from .sampling_params import Logprob, SamplingParams
 from .sequence import CompletionOutput, RequestOutput
 
 PROMPTS = [
@@ -208,9 +208,7 @@ def test_stream_equals_generate_and_metrics(llm):
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=3)
     whole = llm.generate(PROMPTS[2], params)[0]
     assert "".join(llm.stream(PROMPTS[2], params)) == whole.outputs[0].text
-    outs = list(llm.stream_outputs(PROMPTS[2], params))
-    assert len(outs) == len(whole.outputs[0].token_ids) and outs[-1].finished and not outs[0].finished
-    m = outs[-1].metrics
+    m = whole.metrics
     assert m.ttft_s > 0 and len(m.token_times) == len(whole.outputs[0].token_ids)
     assert len(m.decode_latencies_s) == len(whole.outputs[0].token_ids) - 1 and all(
         d >= 0 for d in m.decode_latencies_s
@@ -508,49 +506,28 @@ def test_top_k_minus_one_is_off(llm):
     assert llm.generate(PROMPTS[0], SamplingParams(top_k=-1, **params))[0].outputs[0].token_ids == off
 
 
-def test_output_kinds_cumulative_delta_final_only(demo_snapshot, llm):
-    """CUMULATIVE outputs carry everything so far, DELTA only what is new, FINAL_ONLY one output at the end;
-    all three add up to the same completion."""
-    engine = llm.engine
-    whole = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[
-        0
-    ].outputs[0]
-    got = {}
-    for kind in RequestOutputKind:
-        engine.add_request(
-            f"kind-{kind.name}",
-            PROMPTS[1],
-            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, output_kind=kind),
-        )
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).append(out.outputs[0])
-    cumulative, delta, final = got["kind-CUMULATIVE"], got["kind-DELTA"], got["kind-FINAL_ONLY"]
-    assert len(cumulative) == len(delta) == 10 and len(final) == 1
-    assert [len(c.token_ids) for c in cumulative] == list(range(1, 11))
-    assert all(len(d.token_ids) == 1 for d in delta)
-    assert "".join(d.text for d in delta) == cumulative[-1].text == final[0].text == whole.text
-    assert sum((d.token_ids for d in delta), []) == final[0].token_ids == whole.token_ids
-
-
-def test_abort_ends_with_an_abort_output(llm):
-    """An aborted request's last output says finish_reason "abort" (as in vLLM); the others carry on."""
-    engine = llm.engine
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    engine.add_request("keep", PROMPTS[0], params)
-    engine.add_request("drop", PROMPTS[1], params)
-    engine.step()
-    engine.abort_request("drop")
-    engine.abort_request("drop")  # twice, and unknown ids, are ignored
-    engine.abort_request("no-such-request")
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0]
-    assert finals["drop"].finish_reason == "abort"
-    assert finals["keep"].finish_reason == "length"
-    assert finals["keep"].token_ids == llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+def test_interleaved_streams_and_a_closed_one(llm):
+    """Streams of one LLM read in turns give their solo texts; a third one, read a little and closed, stops
+    alone."""
+    params = [SamplingParams(max_tokens=n, temperature=0.8, seed=n, ignore_eos=True) for n in (9, 14)]
+    solo = [llm.generate(PROMPTS[i], params[i])[0].outputs[0].text for i in (0, 1)]
+    streams = [llm.stream(PROMPTS[i], params[i]) for i in (0, 1)]
+    closed = llm.stream(PROMPTS[2], params[1])
+    texts, live = ["", ""], [0, 1]
+    for turn in range(100):  # a safety net: 23 tokens in all
+        for i in list(live):
+            piece = next(streams[i], None)
+            if piece is None:
+                live.remove(i)
+            else:
+                texts[i] += piece
+        if turn == 3:
+            closed.close()
+        elif turn < 3:
+            next(closed)
+        if not live:
+            break
+    assert texts == solo and next(closed, None) is None
 
 
 def test_logprobs_of_greedy_tokens_equal_log_softmax_of_hf_logits(llm, hf_demo):

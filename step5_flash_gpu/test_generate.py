@@ -531,6 +531,9 @@ def test_output_kinds_cumulative_delta_final_only(demo_snapshot, llm):
     assert all(len(d.token_ids) == 1 for d in delta)
     assert "".join(d.text for d in delta) == cumulative[-1].text == final[0].text == whole.text
     assert sum((d.token_ids for d in delta), []) == final[0].token_ids == whole.token_ids
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE  # vLLM's default
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
 
 
 def test_abort_ends_with_an_abort_output(llm):

@@ -92,9 +92,9 @@ SYNC_BUDGET = (
 )
 
 
-def syncs_in_one_step(engine) -> int:
-    """How many times one ``engine.step()`` makes the host wait for the GPU (torch's sync debug mode warns
-    at each such call)."""
+def syncs_in_one_step(step) -> int:
+    """How many times one engine step (``step()``) makes the host wait for the GPU (torch's sync debug mode
+    warns at each such call)."""
     import warnings
 
     torch.cuda.synchronize()
@@ -102,7 +102,7 @@ def syncs_in_one_step(engine) -> int:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            engine.step()
+            step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     # each sync warns "called a synchronizing CUDA operation"; the first use of the mode in a process also
@@ -127,13 +127,19 @@ def test_one_host_sync_per_engine_step(step, demo_snapshot):
             max_tokens=40, temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True
         ),
     ]
-    for i, (prompt, params) in enumerate(zip(PROMPTS, mixed)):
-        engine.add_request(f"r{i}", prompt, params)
-    engine.step()  # the prefill; warm-up
-    engine.step()
-    counts = [syncs_in_one_step(engine) for _ in range(5)]  # decode steps
+    logprobs = module.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
+    if step == "step3_static_batch":  # no request API before step 4: the engine runs a list, a step per item
+        requests = [*zip(PROMPTS, mixed), (PROMPTS[0], logprobs)]  # one batch, logprobs asked from the start
+        steps = engine.run([engine.make_sequence(f"r{i}", *request) for i, request in enumerate(requests)])
+        advance = lambda: next(steps)  # noqa: E731
+    else:
+        for i, (prompt, params) in enumerate(zip(PROMPTS, mixed)):
+            engine.add_request(f"r{i}", prompt, params)
+        advance = engine.step
+    advance()  # the prefill; warm-up
+    advance()
+    counts = [syncs_in_one_step(advance) for _ in range(5)]  # decode steps
     assert counts == [SYNC_BUDGET] * 5, counts
-    engine.add_request("late", PROMPTS[0], module.SamplingParams(max_tokens=5, temperature=0, logprobs=2))
-    assert (
-        syncs_in_one_step(engine) == SYNC_BUDGET
-    )  # with a request asking for logprobs (step 4: and a prefill)
+    if step != "step3_static_batch":
+        engine.add_request("late", PROMPTS[0], logprobs)
+        assert syncs_in_one_step(advance) == SYNC_BUDGET  # a request asking for logprobs, and a prefill
