@@ -311,9 +311,15 @@ def test_lenient_and_strict_input_forms(llm):
         o.outputs[0].token_ids
         for o in llm.generate(prompt_token_ids=np.array([ids, ids]), sampling_params=GREEDY)
     ] == [expected] * 2
+    flat_numpy_ints = [np.int64(t) for t in ids]  # one prompt, not len(ids) prompts
+    assert (
+        llm.generate(prompt_token_ids=flat_numpy_ints, sampling_params=GREEDY)[0].outputs[0].token_ids
+        == expected
+    )
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        llm.generate(prompt_token_ids=[[True, 5]], sampling_params=GREEDY)
+    for bad in ([[True, 5]], 316, np.int64(316), "316", ["316"], (t for t in ids), {316: 1}):
+        with pytest.raises(ValueError, match="prompt_token_ids"):  # never a TypeError, never a text prompt
+            llm.generate(prompt_token_ids=bad, sampling_params=GREEDY)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=[[1.5, 2]], sampling_params=GREEDY)
     with pytest.raises(ValueError, match="sampling_params"):
@@ -528,6 +534,21 @@ def test_interleaved_streams_and_a_closed_one(llm):
         if not live:
             break
     assert texts == solo and next(closed, None) is None
+
+
+def test_engine_runs_each_sequence_once(llm):
+    """Driving the engine directly: a sequence given twice, or one that already ran, is refused."""
+    engine = llm.engine
+    seq = engine.make_sequence("twice", PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="given once"):
+        next(engine.run([seq, seq]))
+    first = engine.run([seq])
+    next(first)
+    with pytest.raises(ValueError, match="new"):
+        next(engine.run([seq]))
+    for _ in first:
+        pass
+    assert seq.output_token_ids == llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
 
 
 def test_logprobs_of_greedy_tokens_equal_log_softmax_of_hf_logits(llm, hf_demo):

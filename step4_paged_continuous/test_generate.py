@@ -313,9 +313,15 @@ def test_lenient_and_strict_input_forms(llm):
         o.outputs[0].token_ids
         for o in llm.generate(prompt_token_ids=np.array([ids, ids]), sampling_params=GREEDY)
     ] == [expected] * 2
+    flat_numpy_ints = [np.int64(t) for t in ids]  # one prompt, not len(ids) prompts
+    assert (
+        llm.generate(prompt_token_ids=flat_numpy_ints, sampling_params=GREEDY)[0].outputs[0].token_ids
+        == expected
+    )
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        llm.generate(prompt_token_ids=[[True, 5]], sampling_params=GREEDY)
+    for bad in ([[True, 5]], 316, np.int64(316), "316", ["316"], (t for t in ids), {316: 1}):
+        with pytest.raises(ValueError, match="prompt_token_ids"):  # never a TypeError, never a text prompt
+            llm.generate(prompt_token_ids=bad, sampling_params=GREEDY)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=[[1.5, 2]], sampling_params=GREEDY)
     with pytest.raises(ValueError, match="sampling_params"):

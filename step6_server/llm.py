@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Iterator
+from numbers import Integral
 
 from .engine import LLMEngine
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -129,13 +130,12 @@ class LLM:
             if not all(isinstance(p, str) for p in prompts):
                 raise ValueError("prompts: must be strings (use prompt_token_ids= for token ids)")
         else:
-            if hasattr(prompt_token_ids, "tolist"):  # a numpy array or a torch tensor: [T] or [B, T]
-                prompt_token_ids = prompt_token_ids.tolist()
-            if prompt_token_ids and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
-            ):
-                prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list
-            prompts = list(prompt_token_ids)
+            # one prompt or several: [T] or [B, T] ids, as lists, a numpy array or a torch tensor
+            ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
+            if not isinstance(ids, (list, tuple)) or any(isinstance(p, str) for p in ids):
+                raise ValueError("prompt_token_ids: must be a list of token ids, or a list of such lists")
+            flat = ids and all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids)
+            prompts = [ids] if flat else list(ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
