@@ -449,12 +449,13 @@ def start_held_cli(folder: Path, *args: str) -> tuple[subprocess.Popen, threadin
     return proc, watchdog
 
 
-def test_cli_streams_text_then_summary(llm):
-    result = run_cli("The Python interpreter", "--max-tokens", "12")
-    assert result.returncode == 0, result.stderr
+def test_cli_streams_text_then_summary(llm, run_main):
+    """In this process (the README's commands and the Ctrl-C and pipe cases below run it as a process)."""
+    status, out, err = run_main(cli_main, ["The Python interpreter", "--max-tokens", "12"])
+    assert status == 0, err
     expected = llm.generate("The Python interpreter", SamplingParams(max_tokens=12, temperature=0))[0]
-    assert result.stdout == "The Python interpreter" + expected.outputs[0].text + "\n"
-    summary = result.stderr.strip().splitlines()[-1]
+    assert out == "The Python interpreter" + expected.outputs[0].text + "\n"
+    summary = err.strip().splitlines()[-1]
     assert summary.startswith(
         f"[{len(expected.prompt_token_ids)} prompt tokens, {len(expected.outputs[0].token_ids)} generated"
     )
