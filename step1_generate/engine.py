@@ -82,7 +82,8 @@ class LLMEngine:
 
     def run(self, seqs: list[Sequence]) -> Iterator[None]:
         """Take ``seqs`` to their ends, one at a time in the given order. A generator: each item read is one
-        step (the running sequence's new token appended), so a caller can stream it; closing it stops it."""
+        step (the running sequence's new token appended), so a caller can stream it; closing it stops it.
+        The first item raises ValueError if a sequence is given twice or has already run."""
         if len({id(seq) for seq in seqs}) < len(seqs) or any(seq.output_token_ids for seq in seqs):
             raise ValueError("run: every sequence must be new (from make_sequence) and given once")
         for seq in seqs:

@@ -94,7 +94,8 @@ class LLMEngine:
     def run(self, seqs: list[Sequence]) -> Iterator[None]:
         """Take ``seqs`` to their ends in static batches of up to ``max_batch_size``, in the order given, each
         with a KV cache of its own. A generator: each item read is one step (the sequences' new tokens
-        appended), so a caller can stream them; closing it stops them."""
+        appended), so a caller can stream them; closing it stops them. The first item raises ValueError if a
+        sequence is given twice or has already run."""
         if len({id(seq) for seq in seqs}) < len(seqs) or any(seq.output_token_ids for seq in seqs):
             raise ValueError("run: every sequence must be new (from make_sequence) and given once")
         for start in range(0, len(seqs), self.max_batch_size):

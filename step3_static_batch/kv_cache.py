@@ -35,7 +35,7 @@ class KVCache:
         capacity: int,
         device: torch.device | str,
         dtype: torch.dtype,
-        num_pads: list[int] = (0,),
+        num_pads: list[int] | tuple[int, ...] = (0,),
     ):
         shape = (len(num_pads), config.n_head, capacity, config.head_dim)  # [B, H, capacity, D]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
