@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import LLMEngine
@@ -53,7 +53,7 @@ class EngineRequest:
     the prompt's n choices).
 
     index: the index of the first choice it fills (choice c of its outputs fills index + c). Times are
-    ``time.perf_counter`` seconds, set by the engine loop.
+    ``time.perf_counter`` seconds, set by the engine loop; last_output: by choice, its latest output.
     """
 
     request_id: str
@@ -62,7 +62,7 @@ class EngineRequest:
     index: int = 0
     submitted: float = 0.0
     first_output: float | None = None
-    last_output: float | None = None
+    last_output: dict[int, float] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
 
@@ -255,15 +255,15 @@ class AsyncEngine:
                     m.ttft.observe(now - r.submitted)
                     m.queue_time.observe(max(0.0, step_started - r.submitted))
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
-                else:
-                    m.itl.observe(now - r.last_output)
+                elif completion.index in r.last_output:  # since the choice's own last output
+                    m.itl.observe(now - r.last_output[completion.index])
                 m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
                 if out.finished:
                     m.e2e.observe(now - r.submitted)
                     m.success(completion.finish_reason or "stop")
             if r.first_output is None:
                 r.first_output = now
-            r.last_output = now
+            r.last_output[completion.index] = now
             if out.finished:
                 del self._routes[out.request_id]
             deliveries.append((r, (r.index, out)))

@@ -19,7 +19,7 @@ class ServerMetrics:
     ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` (tokens: hits / queries is the hit rate).
     Histograms, seconds, measured by the server's clock (``time.perf_counter``) from the moment the handler
     submitted the request: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
-    (between two outputs of a request), ``vllm:e2e_request_latency_seconds``,
+    (between two outputs of a choice: n series for n choices), ``vllm:e2e_request_latency_seconds``,
     ``vllm:request_queue_time_seconds`` (submitted -> the start of the step that ran its prefill).
     Each app has its own ``CollectorRegistry``, so that several apps can live in one process (tests).
     """

@@ -450,6 +450,23 @@ def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
     assert stats["prefix_cache_hit_rate"] == pytest.approx(hits / (2 * prompt_len))
 
 
+def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):
+    """``vllm:inter_token_latency_seconds`` holds, for each choice, the time between two of its own outputs
+    (as step 8 does for its n engine requests, and vLLM for each child request): n = 4 choices of 10 tokens
+    are 4 x 9 samples, none of them the 0 s between two choices of one step."""
+    engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK)
+    body = {"prompt": "The Python interpreter", "max_tokens": 10, "n": 4, "seed": 1, "ignore_eos": True}
+    app = build_app(engine)
+    samples = []
+    itl = app.state.server.metrics.itl
+    observe = itl.observe
+    itl.observe = lambda seconds: samples.append(seconds) or observe(seconds)
+    with TestClient(app) as client:
+        response = client.post("/v1/completions", json={**body, "stream": True})
+    assert response.status_code == 200
+    assert len(samples) == 4 * 9 and min(samples) > 0, samples
+
+
 def test_enable_prefix_caching_argument(demo_snapshot, oracle):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLMEngine(model=str(demo_snapshot), enable_prefix_caching="yes")
