@@ -822,6 +822,16 @@ def test_a_dead_engine_loop_means_503(engine):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def test_a_fresh_server_reports_its_pool_before_any_request(demo_snapshot):
+    """/v1/engine/stats (what the page shows) holds the KV-cache pool from the start, not 0 of 0 blocks."""
+    engine = LLMEngine(model=str(demo_snapshot), num_kv_blocks=7)
+    app = build_app(engine, "demo")
+    with serve(app) as url:
+        stats = httpx.get(f"{url}/v1/engine/stats").json()
+    assert (stats["kv_blocks_used"], stats["kv_blocks_total"], stats["kv_cache_usage"]) == (0, 7, 0.0)
+    assert (stats["running"], stats["waiting"], stats["steps"]) == (0, 0, 0)
+
+
 def test_health_and_metrics(served, client):
     assert httpx.get(f"{served.url}/health").status_code == 200
     client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=4, temperature=0)

@@ -124,6 +124,7 @@ class AsyncEngine:
         self._routes: dict[str, EngineRequest] = {}  # loop thread only: request id -> its way back
         self._streams: set[RequestStream] = set()  # event loop only: streams with unfinished requests
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._publish(stepped=False)  # the pool and the counts from the start, before any request
 
     # ---- called from the event loop (or any thread) ----
 

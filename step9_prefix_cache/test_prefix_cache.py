@@ -418,7 +418,8 @@ def test_triton_engine_equals_step7_with_prefix_hits(demo_snapshot, oracle):
 
 def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
     """The server's n: one engine request of n choices, seeded seed + i as before (equal to LLM's n);
-    /metrics counts prefix-cache queries and hits in tokens, /v1/engine/stats shows the hit rate."""
+    /metrics counts prefix-cache queries and hits in tokens, /v1/engine/stats shows the hit rate (and the
+    pool from the start)."""
     engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK)
     added = []
     add_request = engine.add_request
@@ -426,6 +427,7 @@ def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
     text = "The Python interpreter reads a program and runs it"
     body = {"prompt": text, "max_tokens": 5, "n": 3, "seed": 4}
     with TestClient(build_app(engine, max_waiting_requests=4)) as client:
+        fresh = client.get("/v1/engine/stats").json()
         first = client.post("/v1/completions", json=body).json()
         again = client.post("/v1/completions", json=body).json()
         metrics = client.get("/metrics").text
@@ -448,6 +450,7 @@ def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
     hits = (prompt_len - 1) // BLOCK * BLOCK
     assert f'vllm:prefix_cache_hits_total{{model_name="demo"}} {hits}.0' in metrics
     assert stats["prefix_cache_hit_rate"] == pytest.approx(hits / (2 * prompt_len))
+    assert (fresh["kv_blocks_used"], fresh["kv_blocks_total"]) == (0, engine.block_manager.num_blocks)
 
 
 def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):
