@@ -22,7 +22,7 @@ import time
 import uvicorn
 
 from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
-from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown
+from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown, describe_features
 from .engine import LLMEngine
 
 DEFAULT_GRACE_S = 2.0  # after a signal, how long open requests may take to finish before they are ended
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{shown}:{port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"serving {name} on {url}  (web page: {url}/ , metrics: {url}/metrics)", flush=True)
+    print(f"engine: {describe_features(app.state.server.bridge.features)}", flush=True)
     print(
         f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} "
         f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',

@@ -39,6 +39,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from .__main__ import main as cli_main
 from .__main__ import make_parser, parse_args
 from .api_server import build_app
+from .async_engine import AsyncEngine, EngineRequest, QueueFullError
 from .engine import LLMEngine
 from .llm import LLM
 from .protocol import ChatMessage, chat_logprobs, completion_logprobs
@@ -713,6 +714,7 @@ class StalledEngine:
 
     def __init__(self, real: LLMEngine, fail: bool = False):
         self.tokenizer, self.config, self.max_model_len = real.tokenizer, real.config, real.max_model_len
+        self.args = real.args
         self.waiting: list[str] = []
         self.fail = fail
 
@@ -765,6 +767,9 @@ def test_api_key_and_waiting_queue_limit(engine):
                     r = await http.post(f"{url}/v1/completions", json=body)
                     assert r.status_code == 429 and r.headers["Retry-After"] == "1"
                     assert r.json()["error"]["type"] == "rate_limit_error"
+                    assert (
+                        "2 requests are waiting (at most 2); this one adds 1" in r.json()["error"]["message"]
+                    )
                     assert (await http.get(f"{url}/v1/engine/stats")).json()["waiting"] == 2
                 # both clients left: their requests are aborted, the queue has room again
                 deadline = time.monotonic() + SAFETY_NET_S
@@ -773,6 +778,28 @@ def test_api_key_and_waiting_queue_limit(engine):
                     await asyncio.sleep(0.01)
 
         asyncio.run(main())
+
+
+def test_the_queue_full_message_counts_in_words(engine):
+    """One request waiting is "1 request is waiting", as "2 requests are waiting" is two."""
+    bridge = AsyncEngine(StalledEngine(engine), max_waiting_requests=1)
+    params = SamplingParams(max_tokens=1)
+
+    async def main():
+        bridge.start()
+        bridge.submit([EngineRequest("a", [1], params)])
+        deadline = time.monotonic() + SAFETY_NET_S
+        while bridge.stats.num_waiting_reqs < 1:  # in the engine now
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            await asyncio.sleep(0.01)
+        with pytest.raises(QueueFullError) as e:
+            bridge.submit([EngineRequest("b", [1], params)])
+        assert str(e.value) == "1 request is waiting (at most 1); this one adds 1"
+
+    try:
+        asyncio.run(main())
+    finally:
+        bridge.shutdown()
 
 
 def test_a_request_that_can_never_be_admitted_is_400_not_429(engine, served):
@@ -822,14 +849,16 @@ def test_a_dead_engine_loop_means_503(engine):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_a_fresh_server_reports_its_pool_before_any_request(demo_snapshot):
-    """/v1/engine/stats (what the page shows) holds the KV-cache pool from the start, not 0 of 0 blocks."""
+def test_a_fresh_server_reports_its_pool_and_features_before_any_request(demo_snapshot):
+    """/v1/engine/stats (what the page shows) holds the KV-cache pool from the start, not 0 of 0 blocks, and
+    how the engine runs (step 6: the device, dtype and attention backend)."""
     engine = LLMEngine(model=str(demo_snapshot), num_kv_blocks=7)
     app = build_app(engine, "demo")
     with serve(app) as url:
         stats = httpx.get(f"{url}/v1/engine/stats").json()
     assert (stats["kv_blocks_used"], stats["kv_blocks_total"], stats["kv_cache_usage"]) == (0, 7, 0.0)
     assert (stats["running"], stats["waiting"], stats["steps"]) == (0, 0, 0)
+    assert stats["features"] == {"device": "cpu", "dtype": "float32", "attention_backend": "torch"}
 
 
 def test_health_and_metrics(served, client):
@@ -872,6 +901,9 @@ def test_web_page_streams_a_completion(served, llm):
             page.set_default_timeout(SAFETY_NET_S * 1000)
             page.goto(served.url + "/")
             expect(page.locator("#running")).to_have_text(re.compile(r"^\d+$"))
+            expect(page.locator("#features")).to_have_text(
+                "device cpu, dtype float32, attention backend torch"
+            )
             page.fill("#prompt", "The Python interpreter")
             page.fill("#temperature", "0")
             page.fill("#max-tokens", "24")
@@ -965,6 +997,7 @@ def test_cli_serves_then_quits_quietly_on_ctrl_c(demo_snapshot):
     try:
         first = proc.stdout.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+", first).group(0)
+        assert proc.stdout.readline() == "engine: device cpu, dtype float32, attention backend torch\n"
         assert "curl" in proc.stdout.readline()
         deadline = time.monotonic() + SAFETY_NET_S
         while True:  # the lines come before uvicorn listens: wait until the port answers

@@ -237,6 +237,7 @@ def build_app(
         return {
             "model": served_model_name,
             "alive": bridge.alive,
+            "features": bridge.features,
             "running": s.num_running_reqs,
             "waiting": bridge.num_waiting(),
             "kv_cache_usage": s.kv_cache_usage,

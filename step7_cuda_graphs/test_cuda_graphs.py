@@ -18,11 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 import step6_server
 
 from . import input_batch as input_batch_module
 from .__main__ import engine_kwargs, parse_args
+from .api_server import build_app
+from .async_engine import engine_features
 from .cuda_graph import capture_sizes, padded_size
 from .engine import LLMEngine
 from .input_batch import PADDING_ROW, InputBatch
@@ -251,6 +254,20 @@ def test_enforce_eager_argument(demo_snapshot):
     assert engine_kwargs(parse_args(["--enforce-eager"]))["enforce_eager"] is True
 
 
+def test_server_says_whether_cuda_graphs_are_on(demo_snapshot):
+    """/v1/engine/stats (and so the page; the start-up line from the same ``engine_features``) says how the
+    engine runs, from the start: on a CPU, no CUDA graphs (the GPU tests check them on)."""
+    engine = LLMEngine(model=str(demo_snapshot))
+    with TestClient(build_app(engine, "demo")) as client:
+        features = client.get("/v1/engine/stats").json()["features"]
+    assert features == {
+        "device": "cpu",
+        "dtype": "float32",
+        "attention_backend": "torch",
+        "cuda_graphs": False,
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------
 # On a GPU: the graphs themselves
 
@@ -293,6 +310,7 @@ def test_gpu_greedy_equals_eager_and_step6(demo_snapshot, capfd):
     assert stats.sizes == [1, 2, 4, 8] and stats.memory_bytes > 0
     assert "captured 4 CUDA graphs" in capfd.readouterr().err
     eager = LLM(model=str(demo_snapshot), device="cuda", max_num_seqs=8, enforce_eager=True)
+    assert engine_features(graphs.engine)["cuda_graphs"] and not engine_features(eager.engine)["cuda_graphs"]
     step6 = step6_server.LLM(model=str(demo_snapshot), device="cuda", max_num_seqs=8)
     p6 = [
         step6_server.SamplingParams(max_tokens=p.max_tokens, temperature=0, ignore_eos=True) for p in params

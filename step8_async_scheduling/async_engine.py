@@ -35,6 +35,28 @@ from .sequence import RequestOutput
 DEFAULT_MAX_WAITING_REQUESTS = 256
 
 
+def engine_features(engine: LLMEngine) -> dict[str, str | bool]:
+    """How ``engine`` runs, as it resolved its arguments: names (device, dtype, attention backend), and
+    True / False for each mechanism that can be on or off. The start-up line (``describe_features``),
+    ``/v1/engine/stats`` and the web page show it."""
+    args = engine.args
+    return {
+        "device": str(args.torch_device),
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        "cuda_graphs": engine.model_runner.graph_runner is not None,  # captured at start-up
+        "async_scheduling": args.async_scheduling,
+    }
+
+
+def describe_features(features: dict[str, str | bool]) -> str:
+    """``features`` as words on one line, e.g. "device cpu, dtype float32, attention backend torch"."""
+    return ", ".join(
+        f"{name.replace('_', ' ')} {('on' if value else 'off') if isinstance(value, bool) else value}"
+        for name, value in features.items()
+    )
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop thread has stopped (an exception in ``step()``, or shutdown): no request is served."""
 
@@ -112,6 +134,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.error: BaseException | None = None
         self.stats = LoopStats()
+        self.features = engine_features(engine)  # fixed once the engine is made
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[tuple[str, Any]] = []  # ("add", EngineRequest) | ("abort", request_id), in order
@@ -164,9 +187,10 @@ class AsyncEngine:
         with self._lock:
             if not self.alive:
                 raise EngineDeadError(repr(self.error) if self.error else "not running")
-            if self.num_waiting() + len(requests) > self.max_waiting_requests:
+            waiting = self.num_waiting()
+            if waiting + len(requests) > self.max_waiting_requests:
                 raise QueueFullError(
-                    f"{self.num_waiting()} requests are waiting (at most "
+                    f"{waiting} {'request is' if waiting == 1 else 'requests are'} waiting (at most "
                     f"{self.max_waiting_requests}); this one adds {len(requests)}"
                 )
             self._inbox.extend(("add", r) for r in requests)

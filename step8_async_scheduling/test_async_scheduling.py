@@ -237,9 +237,10 @@ def test_random_requests_leave_no_block_and_equal_step7(tiny_engines, script):
 
 def test_server_streams_step7s_completions(demo_snapshot, theirs):
     """Through the HTTP server (FastAPI's TestClient, no socket): three prompts in one request and a
-    stream with a stop string give step 7's in-process texts."""
+    stream with a stop string give step 7's in-process texts; /v1/engine/stats says async scheduling is on."""
     engine = LLMEngine(model=str(demo_snapshot), max_num_seqs=4, async_scheduling=True)
     with TestClient(build_app(engine, "demo")) as client:
+        features = client.get("/v1/engine/stats").json()["features"]
         body = dict(model="demo", prompt=PROMPTS[:3], max_tokens=8, temperature=0)
         texts = [c["text"] for c in sorted(client.post("/v1/completions", json=body).json()["choices"],
                                            key=lambda c: c["index"])]  # fmt: skip
@@ -252,6 +253,7 @@ def test_server_streams_step7s_completions(demo_snapshot, theirs):
     params = step7.SamplingParams(max_tokens=12, temperature=0, stop=[" a"])
     assert streamed == theirs.generate(PROMPTS[2], params)[0].outputs[0].text
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert features["async_scheduling"] is True and features["cuda_graphs"] is False
 
 
 def test_async_scheduling_argument(demo_snapshot):

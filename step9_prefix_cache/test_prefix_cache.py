@@ -25,6 +25,7 @@ import step8_async_scheduling
 
 from .__main__ import engine_kwargs, parse_args
 from .api_server import build_app
+from .async_engine import engine_features
 from .block_manager import BlockManager, hash_block
 from .engine import PLACEHOLDER_TOKEN_ID, LLMEngine
 from .kernels import paged_attention as triton_attention
@@ -419,7 +420,7 @@ def test_triton_engine_equals_step7_with_prefix_hits(demo_snapshot, oracle):
 def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
     """The server's n: one engine request of n choices, seeded seed + i as before (equal to LLM's n);
     /metrics counts prefix-cache queries and hits in tokens, /v1/engine/stats shows the hit rate (and the
-    pool from the start)."""
+    pool and the features from the start)."""
     engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK)
     added = []
     add_request = engine.add_request
@@ -451,6 +452,14 @@ def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
     assert f'vllm:prefix_cache_hits_total{{model_name="demo"}} {hits}.0' in metrics
     assert stats["prefix_cache_hit_rate"] == pytest.approx(hits / (2 * prompt_len))
     assert (fresh["kv_blocks_used"], fresh["kv_blocks_total"]) == (0, engine.block_manager.num_blocks)
+    assert fresh["features"] == {
+        "device": "cpu",
+        "dtype": "float32",
+        "attention_backend": "torch",
+        "cuda_graphs": False,
+        "async_scheduling": False,
+        "prefix_caching": True,
+    }
 
 
 def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):
@@ -476,6 +485,7 @@ def test_enable_prefix_caching_argument(demo_snapshot, oracle):
     assert parse_args([]).enable_prefix_caching is True
     assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
     off = LLM(model=str(demo_snapshot), block_size=BLOCK, enable_prefix_caching=False)
+    assert engine_features(off.engine)["prefix_caching"] is False  # what the server shows
     with pytest.raises(ValueError, match="n=9"):
         off.engine.add_request("a", [1, 2], SamplingParams(n=9))
     prompt = [[5, 6, 7, 8, 9, 10, 11, 12, 13]]

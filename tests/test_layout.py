@@ -69,7 +69,7 @@ UNCHANGED_FROM_PREVIOUS = {
         "kv_write.py",
     ],
     # step 7 changes the model runner and the engine's start-up and arguments (and the CLI's flags, the
-    # package's name): the rest of the engine and of the server
+    # package's name, the server's line that says whether graphs are on): the rest of the engine and server
     "step7_cuda_graphs": [
         "sampling_params.py",
         "sampler.py",
@@ -82,7 +82,6 @@ UNCHANGED_FROM_PREVIOUS = {
         "kernels.py",
         "flash_decoding.py",
         "kv_write.py",
-        "async_engine.py",
         "protocol.py",
         "serving_engine.py",
         "serving_completion.py",
@@ -90,7 +89,8 @@ UNCHANGED_FROM_PREVIOUS = {
         "metrics.py",
     ],
     # step 8 changes the engine's step, the model runner's launch, the input buffers, the scheduler's finish
-    # and the arguments (and the CLI's flag, the package's name): the sampler, the sequence, the graphs stay
+    # and the arguments (and the CLI's flag, the package's name, the server's line that says whether async
+    # scheduling is on): the sampler, the sequence, the graphs stay
     "step8_async_scheduling": [
         "sampling_params.py",
         "sampler.py",
@@ -103,7 +103,6 @@ UNCHANGED_FROM_PREVIOUS = {
         "flash_decoding.py",
         "kv_write.py",
         "cuda_graph.py",
-        "async_engine.py",
         "protocol.py",
         "serving_engine.py",
         "serving_completion.py",
