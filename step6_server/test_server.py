@@ -802,6 +802,37 @@ def test_the_queue_full_message_counts_in_words(engine):
         bridge.shutdown()
 
 
+def test_a_request_on_its_way_into_the_engine_still_counts_as_waiting(engine):
+    """While the loop thread adds a request to the engine (out of the inbox, not yet in the engine's
+    published figures), it still counts as waiting: the waiting limit holds at every moment."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowToAdd(StalledEngine):
+        def add_request(self, *args):
+            entered.set()
+            release.wait(SAFETY_NET_S)
+            super().add_request(*args)
+
+    bridge = AsyncEngine(SlowToAdd(engine), max_waiting_requests=1)
+    params = SamplingParams(max_tokens=1)
+
+    async def main():
+        bridge.start()
+        bridge.submit([EngineRequest("a", [1], params)])
+        assert await asyncio.to_thread(entered.wait, SAFETY_NET_S)  # the loop is adding it now
+        try:
+            assert bridge.num_waiting() == 1
+            with pytest.raises(QueueFullError):
+                bridge.submit([EngineRequest("b", [1], params)])
+        finally:
+            release.set()
+
+    try:
+        asyncio.run(main())
+    finally:
+        bridge.shutdown()
+
+
 def test_a_request_that_can_never_be_admitted_is_400_not_429(engine, served):
     """More engine requests (prompts x n) than the waiting limit can never be queued, however long the
     client waits: 400 naming the limit, not a retryable 429; 429 only when waiting for others helps."""

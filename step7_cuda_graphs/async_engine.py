@@ -215,14 +215,14 @@ class AsyncEngine:
                 self._wake.clear()  # before draining: a command added after the drain sets it again
                 with self._lock:
                     commands, self._inbox = self._inbox, []
-                    self._pending_adds -= sum(1 for kind, _ in commands if kind == "add")
                     stopping = self._stopping
                 if stopping:  # the aborts sent before the stop still free their blocks
                     self._apply([(kind, arg) for kind, arg in commands if kind == "abort"])
                     raise EngineDeadError("the server is shutting down")
                 if commands:
                     self._apply(commands)
-                    self._publish(stepped=False)  # the waiting count moved from the inbox to the engine
+                    added = sum(1 for kind, _ in commands if kind == "add")
+                    self._publish(stepped=False, added=added)  # the waiting count moves to the engine's
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait()  # idle: sleep until a handler adds something
                     continue
@@ -298,10 +298,12 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is listening
                 loop.call_soon_threadsafe(_put_all, batch)
 
-    def _publish(self, stepped: bool) -> None:
+    def _publish(self, stepped: bool, added: int = 0) -> None:
+        """Publish the engine's figures; ``added`` requests leave the inbox's count as they enter the
+        engine's, in one move under the lock (``submit`` never sees a request in neither)."""
         s = self.engine.stats
         prev = self.stats
-        self.stats = LoopStats(
+        stats = LoopStats(
             s.num_running_reqs,
             s.num_waiting_reqs,
             s.kv_cache_usage,
@@ -311,6 +313,9 @@ class AsyncEngine:
             prev.steps + stepped,
             max(prev.max_running, s.num_running_reqs),
         )
+        with self._lock:
+            self._pending_adds -= added
+            self.stats = stats
         if self.metrics:
             self.metrics.running.set(s.num_running_reqs)
             self.metrics.waiting.set(s.num_waiting_reqs + self._pending_adds)
