@@ -931,6 +931,8 @@ def test_web_page_streams_a_completion(served, llm):
             page = browser.new_page()
             page.set_default_timeout(SAFETY_NET_S * 1000)
             page.goto(served.url + "/")
+            box = lambda selector: page.locator(selector).bounding_box()  # noqa: E731
+            assert box("#stop")["y"] == box("#generate")["y"]  # the buttons stay side by side
             expect(page.locator("#running")).to_have_text(re.compile(r"^\d+$"))
             expect(page.locator("#features")).to_have_text(
                 "device cpu, dtype float32, attention backend torch"
