@@ -37,6 +37,16 @@ def as_token_ids(ids) -> list[int]:
         raise ValueError("prompt_token_ids: each prompt must be a list of integer token ids") from None
 
 
+def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    """Raises ValueError naming ``field``, the first id of ``ids`` outside the vocabulary and its range."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"{field}: token id {bad} is out of range: the vocabulary has {vocab_size} tokens "
+            f"(ids 0..{vocab_size - 1})"
+        )
+
+
 class LLMEngine:
     """The generation engine, driven one step at a time.
 
@@ -120,13 +130,10 @@ class LLMEngine:
         vocab, window = self.config.vocab_size, self.config.n_positions
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        field = "prompt" if text is not None else "prompt_token_ids"
         if len(ids) == 0:
-            raise ValueError("prompt is empty; give at least one token")
-        if not all(0 <= t < vocab for t in ids):
-            field = (
-                "prompt" if text is not None else "prompt_token_ids"
-            )  # a text can hold added tokens the model lacks
-            raise ValueError(f"{field}: every token id must be in the model's vocabulary [0, {vocab})")
+            raise ValueError(f"{field} is empty; give at least one token")
+        check_token_ids(ids, vocab, field)  # a text can hold added tokens the model lacks
         if len(ids) >= self.max_model_len:
             bound = f"context window: {window} tokens"
             if self.max_model_len < window:
@@ -135,8 +142,7 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens leaves no room to generate: at most "
                 f"{self.max_model_len - 1} prompt tokens fit ({bound})"
             )
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: every id must be < vocab_size={vocab}")
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         return Sequence(request_id, text, ids, params, self.tokenizer, self.max_model_len, self.device)
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -134,6 +134,8 @@ class LLM:
             ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
             if not isinstance(ids, (list, tuple)) or any(isinstance(p, str) for p in ids):
                 raise ValueError("prompt_token_ids: must be a list of token ids, or a list of such lists")
+            if len(ids) == 0:  # no prompt, or one empty prompt: refused either way, as an empty text is
+                raise ValueError("prompt_token_ids is empty; give at least one token")
             flat = ids and all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids)
             prompts = [ids] if flat else list(ids)
         if sampling_params is None:

@@ -68,7 +68,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 # --------------------------------------------------------------------------------------------------------
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = int  # checked against the vocabulary, naming the id, where the model is known (serving_engine.py)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Prompt = (
     NonEmptyStr
@@ -82,7 +82,7 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 # the message for a field whose type is a union (pydantic reports one error per member: say it once)
 UNION_HINTS = {
     "prompt": "must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of "
-    "token ids (integers >= 0), or a non-empty list of such lists",
+    "token ids (integers), or a non-empty list of such lists",
     "stop": "must be a non-empty string or a list of at most 4 non-empty strings",
     "content": 'must be a string or a list of text parts ({"type": "text", "text": ...})',
 }

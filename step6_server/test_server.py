@@ -489,7 +489,7 @@ BAD = [
         C,
         {"prompt": "x", "stop_token_ids": [-1]},
         400,
-        "stop_token_ids[0]",
+        "stop_token_ids",
         "invalid_value",
     ),
     (
@@ -507,7 +507,7 @@ BAD = [
     ("prompt []", C, {"prompt": []}, 400, "prompt", None),
     ("prompt [[]]", C, {"prompt": [[]]}, 400, "prompt", None),
     ("prompt bool", C, {"prompt": True}, 400, "prompt", None),
-    ("prompt id<0", C, {"prompt": [1, -2]}, 400, "prompt", None),
+    ("prompt id<0", C, {"prompt": [1, -2]}, 400, "prompt", "invalid_value"),
     ("prompt id>=vocab", C, {"prompt": [1, 10**6]}, 400, "prompt", "invalid_value"),
     ("prompt too long", C, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     (
@@ -596,6 +596,21 @@ def test_bad_input_gets_its_status_and_error_body(served, path, body, status, pa
     elif param and status == 400:
         assert param.split("[")[0] in error["message"]
     assert served.bridge.stats.steps == steps, "a refused request reached the engine"
+
+
+@pytest.mark.parametrize(
+    "prompt, bad", [([-1], -1), ([8192], 8192), ([[5], [7, 10**6]], 10**6), ([3, -(2**40)], -(2**40))]
+)
+def test_every_token_id_out_of_range_is_named_with_the_vocabulary(served, prompt, bad):
+    """An id below 0 gets the message an id past the vocabulary gets (the demo's 8192 tokens): the id and
+    the range, param "prompt", before the engine sees the request."""
+    steps = served.bridge.stats.steps
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "invalid_value")
+    assert f"token id {bad} is out of range" in error["message"] and "(ids 0..8191)" in error["message"]
+    assert served.bridge.stats.steps == steps
 
 
 def test_context_error_names_both_counts_and_the_sdk_raises_bad_request(client):

@@ -33,7 +33,7 @@ from .async_engine import (
     RequestStream,
     ServerShuttingDown,
 )
-from .engine import LLMEngine
+from .engine import LLMEngine, check_token_ids
 from .metrics import ServerMetrics
 from .protocol import APIError, SamplingFields, bad_request
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -140,13 +140,11 @@ class OpenAIServing:
             )
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        bad = next((t for t in ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"{param}: token id {bad} is out of range: the vocabulary has {self.vocab_size} "
-                f"tokens (ids 0..{self.vocab_size - 1})",
-                param,
-            )
+        """APIError 400 naming the first id outside the vocabulary (the engine's check and message)."""
+        try:
+            check_token_ids(ids, self.vocab_size, param)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
 
     def budget(self, prompt_len: int, max_tokens: int | None, param: str, tokens_param: str) -> int:
         """The tokens to generate: ``max_tokens``, or what is left of the context window if None.

@@ -1,0 +1,47 @@
+"""The entrance of every generating step, one rule for all: what ``LLM.generate`` refuses before any compute
+(an empty prompt, token ids outside the vocabulary), each refusal a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from tests.test_layout import GENERATING_STEPS
+
+STEP_NAMES = [s.name for s in GENERATING_STEPS]
+
+
+@pytest.fixture(scope="module")
+def llms(demo_snapshot):
+    """One LLM per generating step on the demo checkpoint (8192 tokens, a 512-token window), made once."""
+    made = {}
+
+    def get(step: str):
+        if step not in made:
+            made[step] = importlib.import_module(step).LLM(model=str(demo_snapshot))
+        return made[step]
+
+    return get
+
+
+@pytest.mark.parametrize("step", STEP_NAMES)
+def test_an_empty_prompt_is_refused_naming_the_argument(llms, step):
+    llm, params = llms(step), importlib.import_module(step).SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match=r"^prompt is empty"):
+        llm.generate("", params)
+    for empty in ([], [[]]):  # no prompt, or one empty prompt: refused as an empty text is
+        with pytest.raises(ValueError, match=r"^prompt_token_ids is empty"):
+            llm.generate(prompt_token_ids=empty, sampling_params=params)
+
+
+@pytest.mark.parametrize("step", STEP_NAMES)
+@pytest.mark.parametrize("bad", [-1, 8192, 10**9])
+def test_a_token_id_outside_the_vocabulary_is_named(llms, step, bad):
+    llm, params = llms(step), importlib.import_module(step).SamplingParams(max_tokens=2)
+    message = rf"^prompt_token_ids: token id {bad} is out of range: .* 8192 tokens \(ids 0\.\.8191\)$"
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt_token_ids=[5, bad], sampling_params=params)
+    if bad >= 0:  # a negative stop id is SamplingParams' to refuse
+        with pytest.raises(ValueError, match=rf"^stop_token_ids: token id {bad} is out of range"):
+            llm.generate("x", importlib.import_module(step).SamplingParams(stop_token_ids=[bad]))
