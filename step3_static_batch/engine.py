@@ -82,20 +82,35 @@ class LLMEngine:
         else:
             text, ids = None, as_token_ids(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        vocab, window = self.config.vocab_size, self.config.n_positions
+        vocab = self.config.vocab_size
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         field = "prompt" if text is not None else "prompt_token_ids"
         if len(ids) == 0:
             raise ValueError(f"{field} is empty; give at least one token")
         check_token_ids(ids, vocab, field)  # a text can hold added tokens the model lacks
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens leaves no room to generate: at most "
-                f"{self.max_model_len - 1} prompt tokens fit (context window: {window} tokens)"
-            )
+        self.check_length(len(ids), params.max_tokens)
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         return Sequence(request_id, text, ids, params, self.tokenizer, self.max_model_len, self.device)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """The one rule for a request's length, for ``LLM`` and the server alike (vLLM's server's): the
+        prompt leaves room for a token, and the prompt plus ``max_tokens`` (None: what the prompt leaves)
+        fit in ``max_model_len``. A request that does not fit is refused, not cut short: raises ValueError
+        naming both numbers and the limit."""
+        window = self.config.n_positions
+        bound = f"context window: {window} tokens"
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens leaves no room to generate: at most "
+                f"{self.max_model_len - 1} prompt tokens fit ({bound})"
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={max_tokens}: the request needs {num_prompt_tokens + max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion), more than "
+                f"max_model_len={self.max_model_len} ({bound})"
+            )
 
     def run(self, seqs: list[Sequence]) -> Iterator[None]:
         """Take ``seqs`` to their ends in static batches of up to ``max_batch_size``, in the order given, each

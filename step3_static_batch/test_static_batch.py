@@ -86,11 +86,12 @@ def test_a_row_that_reaches_the_window_keeps_stepping_safely(llm, solo):
     ids = [[5] * 500, [5]]
     wasted_before = llm.engine.num_wasted_tokens
     outs = llm.generate(
-        prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        prompt_token_ids=ids,
+        sampling_params=[SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 100)],
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [12, 100]
     assert outs[0].outputs[0].finish_reason == outs[1].outputs[0].finish_reason == "length"
-    assert outs[0].outputs[0].token_ids == solo_ids(solo, ids[0], 100) and outs[1].outputs[
+    assert outs[0].outputs[0].token_ids == solo_ids(solo, ids[0], 12) and outs[1].outputs[
         0
     ].token_ids == solo_ids(solo, ids[1], 100)
     assert llm.engine.num_wasted_tokens - wasted_before == 100 - 12

@@ -50,8 +50,8 @@ def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
 class LLMEngine:
     """The generation engine, driven one step at a time.
 
-    A request longer than the pool holds ends with finish_reason "length" when the pool is full, as at
-    the context window.
+    A request whose prompt and max_tokens do not fit in max_model_len (the context window, or the pool's
+    tokens if fewer) is refused when it is made (``check_length``), as one that would pass the window is.
 
     The arguments are those of ``EngineArgs`` (config.py), which checks them before any weights load:
     raises ValueError on a bad argument; ConnectionError if a Hub model cannot be fetched. Raises
@@ -108,7 +108,7 @@ class LLMEngine:
         """Tokenize and check one request, the one place where requests are validated; queues nothing.
 
         Raises ValueError if the id is in use, the prompt or the parameters are bad, or the request can
-        never run (no room to generate in the context window).
+        never run (its prompt and max_tokens do not fit in max_model_len: ``check_length``).
         """
         if not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request_id={request_id!r}: must be a string not used by an unfinished request")
@@ -117,23 +117,37 @@ class LLMEngine:
         else:
             text, ids = None, as_token_ids(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        vocab, window = self.config.vocab_size, self.config.n_positions
+        vocab = self.config.vocab_size
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         field = "prompt" if text is not None else "prompt_token_ids"
         if len(ids) == 0:
             raise ValueError(f"{field} is empty; give at least one token")
         check_token_ids(ids, vocab, field)  # a text can hold added tokens the model lacks
-        if len(ids) >= self.max_model_len:
-            bound = f"context window: {window} tokens"
-            if self.max_model_len < window:
-                bound = f"the KV-cache pool holds {self.max_model_len} tokens"
-            raise ValueError(
-                f"prompt of {len(ids)} tokens leaves no room to generate: at most "
-                f"{self.max_model_len - 1} prompt tokens fit ({bound})"
-            )
+        self.check_length(len(ids), params.max_tokens)
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         return Sequence(request_id, text, ids, params, self.tokenizer, self.max_model_len, self.device)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """The one rule for a request's length, for ``LLM`` and the server alike (vLLM's server's): the
+        prompt leaves room for a token, and the prompt plus ``max_tokens`` (None: what the prompt leaves)
+        fit in ``max_model_len``. A request that does not fit is refused, not cut short: raises ValueError
+        naming both numbers and the limit."""
+        window = self.config.n_positions
+        bound = f"context window: {window} tokens"
+        if self.max_model_len < window:
+            bound = f"the KV-cache pool holds {self.max_model_len} tokens"
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens leaves no room to generate: at most "
+                f"{self.max_model_len - 1} prompt tokens fit ({bound})"
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={max_tokens}: the request needs {num_prompt_tokens + max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion), more than "
+                f"max_model_len={self.max_model_len} ({bound})"
+            )
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a sequence made by ``make_sequence``."""

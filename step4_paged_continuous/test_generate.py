@@ -75,10 +75,10 @@ def test_greedy_ids_equal_hf_generate(llm, hf_demo):
 
 @pytest.mark.slow
 def test_greedy_ids_equal_hf_near_the_context_window(llm, hf_demo):
-    """A prompt of 480 tokens: generation runs into the 512-token window and stops with "length"."""
+    """A prompt of 480 tokens and 32 more: generation runs to the 512-token window's end, "length"."""
     ids = (llm.tokenizer.encode(PROMPTS[-1]) * 20)[:480]
     out = llm.generate(
-        prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     )[0]
     assert len(out.outputs[0].token_ids) == 512 - 480 and out.outputs[0].finish_reason == "length"
     with torch.inference_mode():
@@ -191,17 +191,21 @@ def test_stop_token_ids_and_eos(llm):
     )
 
 
-def test_max_tokens_and_context_window_end_with_length(llm):
+def test_max_tokens_ends_with_length_and_past_the_window_is_refused(llm):
+    """max_tokens ends a request with "length", up to the window's last position; a prompt plus max_tokens
+    beyond the window is refused before it runs, naming both numbers (the server's rule too)."""
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
     window = llm.config.n_positions
-    for prompt_len, expected in ((window - 1, 1), (window - 3, 3)):
+    for prompt_len, room in ((window - 1, 1), (window - 3, 3)):
         ids = [llm.tokenizer.encode(" the")[0]] * prompt_len
         out = llm.generate(
             prompt_token_ids=[ids],
-            sampling_params=SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+            sampling_params=SamplingParams(max_tokens=room, temperature=0, ignore_eos=True),
         )[0]
-        assert len(out.outputs[0].token_ids) == expected and out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == room and out.outputs[0].finish_reason == "length"
+        with pytest.raises(ValueError, match=rf"^max_tokens=50: .* \({prompt_len} in the prompt, 50 in the"):
+            llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=50))
 
 
 def test_stream_equals_generate_and_metrics(llm):

@@ -237,13 +237,16 @@ def test_abort_a_waiting_request(demo_engine_args):
 
 def test_requests_that_can_never_fit_are_refused(demo_engine_args):
     engine = LLMEngine(**demo_engine_args, block_size=4, num_kv_blocks=5)  # 20 tokens in all
-    engine.add_request(
-        "ok", list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    )
+    engine.add_request("ok", list(range(1, 20)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     with pytest.raises(
         ValueError, match=r"at most 19 prompt tokens fit \(the KV-cache pool holds 20 tokens\)"
     ):
         engine.add_request("too-long", list(range(1, 21)), SamplingParams(max_tokens=1))
+    with pytest.raises(
+        ValueError,
+        match=r"max_tokens=2: .* 21 tokens .* max_model_len=20 \(the KV-cache pool holds 20 tokens\)",
+    ):
+        engine.add_request("no-room", list(range(1, 20)), SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("ok", "again", SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="empty"):
@@ -500,7 +503,7 @@ def test_random_schedules_keep_invariants_and_outputs(
                     str(len(prompts)), ids, SamplingParams(max_tokens=b, temperature=0, ignore_eos=True)
                 )
             except ValueError:  # longer than this small pool can ever hold: refused, the others go on
-                assert a + 1 > engine.max_model_len
+                assert a + b > engine.max_model_len
                 continue
             prompts.append((ids, b))
         elif kind == "step":

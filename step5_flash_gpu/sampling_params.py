@@ -34,7 +34,8 @@ class Logprob:
 class SamplingParams:
     """How one request is decoded (names, meanings and defaults as in vLLM's ``SamplingParams``).
 
-    max_tokens: most tokens to generate (>= 1); generation also ends at the context window.
+    max_tokens: most tokens to generate (>= 1); the prompt plus max_tokens must fit in the context window
+        (the engine's max_model_len), or the engine refuses the request (ValueError), as vLLM's server does.
     temperature: logits are divided by it; 0 means greedy decoding (argmax), no randomness; so does any
         temperature below 1e-5 (as in vLLM: dividing by less would overflow float32).
     top_k: keep the k most likely tokens; 0 or -1 = off (vLLM accepts both).

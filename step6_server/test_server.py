@@ -589,9 +589,9 @@ def test_bad_input_gets_its_status_and_error_body(served, path, body, status, pa
     assert error["param"] == param
     if code is not None:
         assert error["code"] == code
-    if code == "context_length_exceeded":  # the window and both token counts
+    if code == "context_length_exceeded":  # the window and the prompt's length (and max_tokens, if given)
         assert "512" in error["message"] and re.search(
-            r"\d+ (tokens )?in the (prompt|messages)", error["message"]
+            r"prompt of \d+ tokens|\(\d+ in the prompt", error["message"]
         )
     elif param and status == 400:
         assert param.split("[")[0] in error["message"]
@@ -613,13 +613,24 @@ def test_every_token_id_out_of_range_is_named_with_the_vocabulary(served, prompt
     assert served.bridge.stats.steps == steps
 
 
-def test_context_error_names_both_counts_and_the_sdk_raises_bad_request(client):
+def test_context_error_is_the_python_apis_and_the_sdk_raises_bad_request(client, llm):
+    """Prompt + max_tokens beyond the window: the server refuses with the Python API's rule and message
+    (both numbers and the limit), and the SDK raises its BadRequestError."""
+    prompt = "word " * 100
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="demo", prompt="word " * 100, max_tokens=500)
-    message = e.value.body["message"]
+        client.completions.create(model="demo", prompt=prompt, max_tokens=500)
+    with pytest.raises(ValueError) as in_process:
+        llm.generate(prompt, SamplingParams(max_tokens=500))
+    n = len(llm.tokenizer.encode(prompt))
     assert (
-        "512" in message and "500 in the completion" in message and re.search(r"\(\d+ in the prompt", message)
+        e.value.body["message"]
+        == str(in_process.value)
+        == (
+            f"max_tokens=500: the request needs {n + 500} tokens ({n} in the prompt, 500 in the completion), "
+            "more than max_model_len=512 (context window: 512 tokens)"
+        )
     )
+    assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "context_length_exceeded"
 
 
 def test_a_number_that_is_not_finite_is_refused_as_such(served):
@@ -730,6 +741,7 @@ class StalledEngine:
     def __init__(self, real: LLMEngine, fail: bool = False):
         self.tokenizer, self.config, self.max_model_len = real.tokenizer, real.config, real.max_model_len
         self.args = real.args
+        self.check_length = real.check_length  # the entrance's rule for a request's length
         self.waiting: list[str] = []
         self.fail = fail
 

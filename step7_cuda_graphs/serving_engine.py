@@ -148,24 +148,15 @@ class OpenAIServing:
             raise bad_request(str(e), param) from None
 
     def budget(self, prompt_len: int, max_tokens: int | None, param: str, tokens_param: str) -> int:
-        """The tokens to generate: ``max_tokens``, or what is left of the context window if None.
-        Raises APIError 400 (code context_length_exceeded) if the prompt and the completion do not fit."""
-        window = self.max_model_len
-        if prompt_len >= window or (max_tokens is not None and prompt_len + max_tokens > window):
-            where = "messages" if param == "messages" else "prompt"
-            asked = (
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the "
-                "completion)"
-                if max_tokens is not None
-                else f"{prompt_len} tokens in the {where}, which leaves no room for a completion"
-            )
-            raise bad_request(
-                f"This model's maximum context length is {window} tokens. However, you requested "
-                f"{asked}. Please reduce the length of the {where} or the completion.",
-                param if prompt_len >= window else tokens_param,
-                "context_length_exceeded",
-            )
-        return max_tokens if max_tokens is not None else window - prompt_len
+        """The tokens to generate: ``max_tokens``, or what the prompt leaves of the window if None (OpenAI's
+        chat default). Raises APIError 400 (code context_length_exceeded) if the prompt and the completion
+        do not fit: the engine's rule and message (``LLMEngine.check_length``), as the Python API's."""
+        try:
+            self.engine.check_length(prompt_len, max_tokens)
+        except ValueError as e:
+            at_fault = param if prompt_len >= self.max_model_len else tokens_param
+            raise bad_request(str(e), at_fault, "context_length_exceeded") from None
+        return max_tokens if max_tokens is not None else self.max_model_len - prompt_len
 
     def sampling_params(
         self,

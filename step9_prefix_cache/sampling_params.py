@@ -36,7 +36,8 @@ class SamplingParams:
 
     n: completions (choices) of the prompt to generate (>= 1): the prompt is prefilled once, and choice i
         samples with its own generator, seeded with seed + i (``RequestOutput.outputs`` holds them all).
-    max_tokens: most tokens to generate (>= 1); generation also ends at the context window.
+    max_tokens: most tokens to generate (>= 1); the prompt plus max_tokens must fit in the context window
+        (the engine's max_model_len), or the engine refuses the request (ValueError), as vLLM's server does.
     temperature: logits are divided by it; 0 means greedy decoding (argmax), no randomness; so does any
         temperature below 1e-5 (as in vLLM: dividing by less would overflow float32).
     top_k: keep the k most likely tokens; 0 or -1 = off (vLLM accepts both).

@@ -45,3 +45,22 @@ def test_a_token_id_outside_the_vocabulary_is_named(llms, step, bad):
     if bad >= 0:  # a negative stop id is SamplingParams' to refuse
         with pytest.raises(ValueError, match=rf"^stop_token_ids: token id {bad} is out of range"):
             llm.generate("x", importlib.import_module(step).SamplingParams(stop_token_ids=[bad]))
+
+
+@pytest.mark.parametrize("step", STEP_NAMES)
+def test_prompt_plus_max_tokens_past_the_window_is_refused_naming_both(llms, step):
+    """One rule in every step, the server's too: prompt + max_tokens must fit in max_model_len (the demo's
+    512-token window), or the request is refused before it runs; it is never cut short silently."""
+    llm, module = llms(step), importlib.import_module(step)
+    message = (
+        r"^max_tokens=13: the request needs 513 tokens \(500 in the prompt, 13 in the completion\), more "
+        r"than max_model_len=512 \(context window: 512 tokens\)$"
+    )
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt_token_ids=[5] * 500, sampling_params=module.SamplingParams(max_tokens=13))
+    with pytest.raises(ValueError, match=r"^max_tokens=1000000000: the request needs 1000000001 tokens"):
+        llm.generate("x", module.SamplingParams(max_tokens=10**9))
+    with pytest.raises(ValueError, match=r"^prompt of 512 tokens leaves no room to generate"):
+        llm.generate(prompt_token_ids=[5] * 512, sampling_params=module.SamplingParams(max_tokens=1))
+    out = llm.generate(prompt_token_ids=[5] * 500, sampling_params=module.SamplingParams(max_tokens=1))
+    assert len(out[0].outputs[0].token_ids) == 1  # what fits runs
