@@ -1,5 +1,19 @@
 """Step 0: the GPT-2 forward pass, from scratch, with logits equal to Hugging Face's."""
 
-from .model import GPT
+import importlib
 
-__all__ = ["GPT"]
+# each public name, by the module of this package that defines it; imported when first used (PEP 562), so
+# that `python -m <step>` starts its command line before torch loads (and Ctrl-C there exits quietly)
+EXPORTS = {
+    "model": ["GPT"],
+}
+__all__ = [name for names in EXPORTS.values() for name in names]
+
+
+def __getattr__(name: str):
+    """``from <step> import LLM`` and ``<step>.LLM``: the name, imported from its module on first use."""
+    module = next((module for module, names in EXPORTS.items() if name in names), None)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(f".{module}", __name__), name)
+    return value

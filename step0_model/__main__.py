@@ -10,12 +10,16 @@ import argparse
 import os
 import sys
 
-import torch
+try:  # torch loads here: Ctrl-C meanwhile exits quietly with 130, as later in the start-up
+    import torch
 
-from common.tokenizer import Tokenizer
-from common.weights import resolve_model
+    from common.tokenizer import Tokenizer
+    from common.weights import resolve_model
 
-from .model import GPT
+    from .model import GPT
+except KeyboardInterrupt:
+    print(file=sys.stderr)
+    sys.exit(130)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

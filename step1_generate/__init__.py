@@ -1,16 +1,22 @@
 """Step 1: text generation by re-running the whole sequence for every new token (no cache)."""
 
-from .engine import LLMEngine
-from .llm import LLM
-from .sampling_params import Logprob, SamplingParams
-from .sequence import CompletionOutput, RequestMetrics, RequestOutput
+import importlib
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "LLMEngine",
-    "Logprob",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams",
-]
+# each public name, by the module of this package that defines it; imported when first used (PEP 562), so
+# that `python -m <step>` starts its command line before torch loads (and Ctrl-C there exits quietly)
+EXPORTS = {
+    "engine": ["LLMEngine"],
+    "llm": ["LLM"],
+    "sampling_params": ["Logprob", "SamplingParams"],
+    "sequence": ["CompletionOutput", "RequestMetrics", "RequestOutput"],
+}
+__all__ = [name for names in EXPORTS.values() for name in names]
+
+
+def __getattr__(name: str):
+    """``from <step> import LLM`` and ``<step>.LLM``: the name, imported from its module on first use."""
+    module = next((module for module, names in EXPORTS.items() if name in names), None)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(f".{module}", __name__), name)
+    return value

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-import step1_generate
+import step1_generate.model
 
 from .kv_cache import KVCache
 from .llm import LLM

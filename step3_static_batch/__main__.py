@@ -18,9 +18,13 @@ import os
 import sys
 import time
 
-from .config import DTYPES
-from .llm import LLM
-from .sampling_params import SamplingParams
+try:  # torch loads here: Ctrl-C meanwhile exits quietly with 130, as later in the start-up
+    from .config import DTYPES
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+except KeyboardInterrupt:
+    print(file=sys.stderr)
+    sys.exit(130)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -19,11 +19,15 @@ import sys
 import threading
 import time
 
-import uvicorn
+try:  # torch and the web stack load here: Ctrl-C meanwhile exits quietly with 130, as later in the start-up
+    import uvicorn
 
-from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
-from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown, describe_features
-from .engine import LLMEngine
+    from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
+    from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown, describe_features
+    from .engine import LLMEngine
+except KeyboardInterrupt:
+    print(file=sys.stderr)
+    sys.exit(130)
 
 DEFAULT_GRACE_S = 2.0  # after a signal, how long open requests may take to finish before they are ended
 
@@ -270,4 +274,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the server handles signals itself: no traceback
+        print(file=sys.stderr)
+        sys.exit(130)

@@ -1,27 +1,27 @@
 """Step 9: requests that share a prefix share its KV blocks (chained block hashes, reference counts, LRU
 eviction, copy-on-write), on top of step 8."""
 
-from .api_server import build_app
-from .block_manager import BlockManager
-from .engine import LLMEngine
-from .kv_cache import PagedKVCache
-from .llm import LLM
-from .sampling_params import Logprob, RequestOutputKind, SamplingParams
-from .scheduler import Scheduler, SchedulerStats
-from .sequence import CompletionOutput, RequestMetrics, RequestOutput
+import importlib
 
-__all__ = [
-    "LLM",
-    "BlockManager",
-    "CompletionOutput",
-    "LLMEngine",
-    "Logprob",
-    "PagedKVCache",
-    "RequestMetrics",
-    "RequestOutput",
-    "RequestOutputKind",
-    "SamplingParams",
-    "Scheduler",
-    "SchedulerStats",
-    "build_app",
-]
+# each public name, by the module of this package that defines it; imported when first used (PEP 562), so
+# that `python -m <step>` starts its command line before torch loads (and Ctrl-C there exits quietly)
+EXPORTS = {
+    "api_server": ["build_app"],
+    "block_manager": ["BlockManager"],
+    "engine": ["LLMEngine"],
+    "kv_cache": ["PagedKVCache"],
+    "llm": ["LLM"],
+    "sampling_params": ["Logprob", "RequestOutputKind", "SamplingParams"],
+    "scheduler": ["Scheduler", "SchedulerStats"],
+    "sequence": ["CompletionOutput", "RequestMetrics", "RequestOutput"],
+}
+__all__ = [name for names in EXPORTS.values() for name in names]
+
+
+def __getattr__(name: str):
+    """``from <step> import LLM`` and ``<step>.LLM``: the name, imported from its module on first use."""
+    module = next((module for module, names in EXPORTS.items() if name in names), None)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(f".{module}", __name__), name)
+    return value

@@ -1,13 +1,17 @@
-"""The entrance of every generating step, one rule for all: what ``LLM.generate`` refuses before any compute
-(an empty prompt, token ids outside the vocabulary), each refusal a ValueError naming the argument."""
+"""The entrance of every step, one rule for all: what ``LLM.generate`` refuses before any compute (an empty
+prompt, token ids outside the vocabulary, a prompt plus max_tokens past the window), each refusal a
+ValueError naming the argument; and every command line's start-up, where Ctrl-C exits quietly with 130."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 
-from tests.test_layout import GENERATING_STEPS
+from tests.test_layout import GENERATING_STEPS, ROOT
 
 STEP_NAMES = [s.name for s in GENERATING_STEPS]
 
@@ -64,3 +68,51 @@ def test_prompt_plus_max_tokens_past_the_window_is_refused_naming_both(llms, ste
         llm.generate(prompt_token_ids=[5] * 512, sampling_params=module.SamplingParams(max_tokens=1))
     out = llm.generate(prompt_token_ids=[5] * 500, sampling_params=module.SamplingParams(max_tokens=1))
     assert len(out[0].outputs[0].token_ids) == 1  # what fits runs
+
+
+# Ctrl-C at a chosen point of a real command line's start-up: this module, found on PYTHONPATH as
+# sitecustomize, sends the process SIGINT when it starts to import torch, or opens the tokenizer's files
+# (the engine's load, after torch). A real signal at a point fixed by the process itself, not by a timer.
+CTRL_C_AT = """
+import os
+import signal
+import sys
+
+# Ctrl-C raises KeyboardInterrupt as in a terminal, also when the test run itself ignores SIGINT (a job a
+# shell started in the background: its children inherit the ignored signal, and Python then leaves it so)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+AT = os.environ["CTRL_C_AT"]
+sent = []
+
+
+def ctrl_c(event, args):
+    at = (event == "import" and args[0] == AT) or (event == "open" and str(args[0]).endswith(AT))
+    if at and not sent:
+        sent.append(event)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+sys.addaudithook(ctrl_c)
+"""
+CLI_ARGS = {"step0_model": ["x"], **{s: ["x", "--max-tokens", "2"] for s in STEP_NAMES}}
+for step in STEP_NAMES[5:]:  # steps 6-9: the server
+    CLI_ARGS[step] = ["--port", "0"]
+SAFETY_NET_S = 600  # a hung process fails its test instead of the run; never a measure
+
+
+@pytest.mark.parametrize("at", ["torch", "vocab.json"], ids=["torch-import", "model-load"])
+@pytest.mark.parametrize("step", list(CLI_ARGS))
+def test_ctrl_c_during_start_up_exits_quietly_with_130(tmp_path, step, at):
+    (tmp_path / "sitecustomize.py").write_text(CTRL_C_AT)
+    env = {**os.environ, "CTRL_C_AT": at}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", step, *CLI_ARGS[step]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SAFETY_NET_S,
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
