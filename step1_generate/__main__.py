@@ -14,7 +14,7 @@ import os
 import sys
 
 try:  # torch loads here: Ctrl-C meanwhile exits quietly with 130, as later in the start-up
-    from .config import DTYPES
+    from .config import EngineArgs
     from .llm import LLM
     from .sampling_params import SamplingParams
 except KeyboardInterrupt:
@@ -48,11 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("prompt", help="the text to continue")
-    parser.add_argument(
-        "--model",
-        default="demo",
-        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder",
-    )
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="divides the logits; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
@@ -90,8 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=None, help="seed of the random draws; none = different every run"
     )
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    EngineArgs.add_cli_args(parser)  # --model, --device, --dtype, ...: the engine's arguments
     return parser.parse_args(argv)
 
 
@@ -116,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         params = sampling_params(args)
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+        llm = LLM(EngineArgs.from_cli_args(args))
         seq = llm.engine.make_sequence("cli", args.prompt, params)  # validates the request
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)

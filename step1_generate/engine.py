@@ -45,12 +45,13 @@ def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
 class LLMEngine:
     """The generation engine: ``run`` takes sequences made by ``make_sequence`` to their ends.
 
-    The arguments are those of ``EngineArgs`` (config.py), which checks them before any weights load:
+    The arguments are those of ``EngineArgs`` (config.py), by name or in its order, or one ``EngineArgs``
+    already made (the command line's); it checks them before any weights load:
     raises ValueError on a bad argument; ConnectionError if a Hub model cannot be fetched.
     """
 
-    def __init__(self, model: str = "demo", device: str = "cpu", dtype: str = "float32"):
-        self.args = args = EngineArgs(model=model, device=device, dtype=dtype)
+    def __init__(self, *engine_args, **kwargs):
+        self.args = args = EngineArgs.make(*engine_args, **kwargs)
         self.device, self.dtype = args.torch_device, args.torch_dtype
         self.tokenizer = Tokenizer(args.folder)
         self.model = GPT.from_pretrained(str(args.folder), device=self.device, dtype=self.dtype)

@@ -1,10 +1,14 @@
-"""The engine's arguments in one place (vLLM's ``EngineArgs``, nano-vllm's ``Config``): each one checked,
-and what the engine's parts are built from resolved, before any weights load. A request's own checks run
-where the request enters (``LLMEngine.make_sequence``)."""
+"""The engine's arguments in one place (vLLM's ``EngineArgs``, nano-vllm's ``Config``): each one declared
+once, with its default, its check, its help text and its command-line flag; all checked, and what the
+engine's parts are built from resolved, before any weights load. ``LLMEngine``, ``LLM``, the command line
+and the server take them from here. A request's own checks run where the request enters
+(``LLMEngine.make_sequence``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -30,13 +34,17 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
+def engine_arg(default, help: str, check: tuple[Callable, str] | None = None, **flag):
+    """An argument of ``EngineArgs``: its default; its help text; its check, (ok, allowed): ``ok(value)``
+    is true, or EngineArgs raises ValueError "<name>=<value>: must be <allowed>"; and its command-line flag,
+    ``--name-with-dashes``, made with argparse's keywords ``flag`` (type, choices, action)."""
+    return field(default=default, metadata={"help": help, "check": check, "flag": flag})
+
+
 @dataclass
 class EngineArgs:
-    """The arguments of ``LLMEngine``, checked and resolved by ``__post_init__``.
-
-    model: "demo" (bundled), a Hub id or alias ("gpt2", "gpt2-medium", ...), or a local snapshot
-    folder (see ``common.weights.resolve_model``). device: a torch device string ("cpu", "cuda",
-    "cuda:N"). dtype: of the weights and activations, "float32", "float16" or "bfloat16".
+    """The arguments of ``LLMEngine``, checked and resolved by ``__post_init__``; each one's help text says
+    what it is (``python -m <step> --help`` shows them all). model: see ``common.weights.resolve_model``.
 
     Resolved from them: folder (the snapshot folder), hf_config (its ``GPT2Config``), torch_device,
     torch_dtype, and max_model_len: the tokens one request can reach, prompt included (the context window).
@@ -44,9 +52,16 @@ class EngineArgs:
     Raises ValueError, naming the argument, if one is bad; ConnectionError if a Hub model cannot be fetched.
     """
 
-    model: str = "demo"
-    device: str = "cpu"
-    dtype: str = "float32"
+    model: str = engine_arg(
+        "demo", "'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder"
+    )
+    device: str = engine_arg("cpu", "torch device: cpu, cuda or cuda:N")
+    dtype: str = engine_arg(
+        "float32",
+        "weights and activations",
+        (DTYPES.__contains__, f"one of {sorted(DTYPES)}"),
+        choices=sorted(DTYPES),
+    )
     folder: Path = field(init=False)
     hf_config: GPT2Config = field(init=False)
     torch_device: torch.device = field(init=False)
@@ -54,10 +69,54 @@ class EngineArgs:
     max_model_len: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
+        for arg in fields(self):  # each argument's own check, in the order declared
+            ok, allowed = arg.metadata.get("check") or (None, "")
+            if ok is not None and not ok(value := getattr(self, arg.name)):
+                raise ValueError(f"{arg.name}={value!r}: must be {allowed}")
         self.torch_dtype = DTYPES[self.dtype]
         self.torch_device = check_device(self.device)
         self.folder = resolve_model(self.model)  # may download: after the checks that need no model
         self.hf_config = load_config(self.folder)
         self.max_model_len = self.hf_config.n_positions
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """A flag for every argument, with its default and help (vLLM's ``EngineArgs.add_cli_args``); a
+        value its check refuses is argparse's error (one line, exit status 2), before anything loads."""
+        group = parser.add_argument_group("engine arguments (EngineArgs)")
+        for arg in fields(EngineArgs):
+            if arg.init:
+                flag = "--" + arg.name.replace("_", "-")
+                group.add_argument(flag, default=arg.default, help=arg.metadata["help"], **cli_keywords(arg))
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine arguments of a parsed command line (vLLM's ``EngineArgs.from_cli_args``), checked and
+        resolved: raises what ``EngineArgs`` raises."""
+        return cls(**{arg.name: getattr(args, arg.name) for arg in fields(cls) if arg.init})
+
+    @classmethod
+    def make(cls, *args, **kwargs) -> EngineArgs:
+        """``EngineArgs(*args, **kwargs)``, or ``args[0]`` if it is an ``EngineArgs`` already (how ``LLM``
+        and ``LLMEngine`` take their arguments)."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], cls):
+            return args[0]
+        return cls(*args, **kwargs)
+
+
+def cli_keywords(arg) -> dict:
+    """argparse's keywords for an argument's flag: its own, with ``type`` wrapped to apply its check."""
+    keywords, check = dict(arg.metadata["flag"]), arg.metadata["check"]
+    convert = keywords.get("type")
+    if convert is not None and check is not None:
+
+        def checked(text: str):
+            value = convert(text)
+            if not check[0](value):
+                raise argparse.ArgumentTypeError(f"must be {check[1]}")
+            return value
+
+        checked.__name__ = convert.__name__  # argparse names it: "invalid int value: 'x'"
+        keywords["type"] = checked
+    return keywords

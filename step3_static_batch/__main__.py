@@ -19,7 +19,7 @@ import sys
 import time
 
 try:  # torch loads here: Ctrl-C meanwhile exits quietly with 130, as later in the start-up
-    from .config import DTYPES
+    from .config import EngineArgs
     from .llm import LLM
     from .sampling_params import SamplingParams
 except KeyboardInterrupt:
@@ -54,12 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("prompts", nargs="*", help="the texts to continue")
     parser.add_argument("--prompts-file", help="a UTF-8 text file with one prompt per line")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded together")
-    parser.add_argument(
-        "--model",
-        default="demo",
-        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder",
-    )
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="divides the logits; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
@@ -97,8 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=None, help="seed of the random draws; none = different every run"
     )
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    EngineArgs.add_cli_args(parser)  # --model, --device, --dtype, ...: the engine's arguments
     return parser.parse_args(argv)
 
 
@@ -126,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         if not prompts:
             raise ValueError("prompts: give at least one prompt, as an argument or with --prompts-file")
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, **engine_args(args))
+        llm = LLM(EngineArgs.from_cli_args(args))
         if len(prompts) > 1:
             return run_batch(llm, prompts, params)
         seq = llm.engine.make_sequence("cli", prompts[0], params)  # validates the request
@@ -153,10 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def engine_args(args: argparse.Namespace) -> dict:
-    return {"max_batch_size": args.max_batch_size}
 
 
 def read_prompts_file(path: str) -> list[str]:

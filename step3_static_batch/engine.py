@@ -51,14 +51,13 @@ class LLMEngine:
     num_padding_tokens, num_wasted_tokens: positions computed so far that serve no request: left padding,
     and rows of requests that had finished while their batch had not.
 
-    The arguments are those of ``EngineArgs`` (config.py), which checks them before any weights load:
+    The arguments are those of ``EngineArgs`` (config.py), by name or in its order, or one ``EngineArgs``
+    already made (the command line's); it checks them before any weights load:
     raises ValueError on a bad argument; ConnectionError if a Hub model cannot be fetched.
     """
 
-    def __init__(
-        self, model: str = "demo", device: str = "cpu", dtype: str = "float32", max_batch_size: int = 8
-    ):
-        self.args = args = EngineArgs(model=model, device=device, dtype=dtype, max_batch_size=max_batch_size)
+    def __init__(self, *engine_args, **kwargs):
+        self.args = args = EngineArgs.make(*engine_args, **kwargs)
         self.device, self.dtype = args.torch_device, args.torch_dtype
         self.max_batch_size = args.max_batch_size
         self.tokenizer = Tokenizer(args.folder)

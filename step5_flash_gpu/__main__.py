@@ -18,7 +18,7 @@ import sys
 import time
 
 try:  # torch loads here: Ctrl-C meanwhile exits quietly with 130, as later in the start-up
-    from .config import DTYPES
+    from .config import EngineArgs
     from .llm import LLM
     from .sampling_params import SamplingParams
 except KeyboardInterrupt:
@@ -53,33 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("prompts", nargs="*", help="the texts to continue")
     parser.add_argument("--prompts-file", help="a UTF-8 text file with one prompt per line")
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="most requests running at once")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    pool = parser.add_mutually_exclusive_group()
-    pool.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="KV-cache blocks in the pool (default: room for --max-num-seqs full context windows)",
-    )
-    pool.add_argument(
-        "--kv-cache-memory",
-        type=int,
-        default=None,
-        help="KV-cache pool size in bytes, instead of --num-kv-blocks",
-    )
-    parser.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "triton", "torch"],
-        help="attention kernels: triton (this step's, for the GPU; on a CPU they run through Triton's "
-        "interpreter, ~100x slower: for tests), torch (step 4's), auto = triton on CUDA, else torch",
-    )
-    parser.add_argument(
-        "--model",
-        default="demo",
-        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local snapshot folder",
-    )
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="divides the logits; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
@@ -117,8 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=None, help="seed of the random draws; none = different every run"
     )
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    EngineArgs.add_cli_args(parser)  # --model, --device, --dtype, ...: the engine's arguments
     return parser.parse_args(argv)
 
 
@@ -146,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         if not prompts:
             raise ValueError("prompts: give at least one prompt, as an argument or with --prompts-file")
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype, **engine_args(args))
+        llm = LLM(EngineArgs.from_cli_args(args))
         if len(prompts) > 1:
             return run_batch(llm, prompts, params)
         outputs = llm.stream_outputs(prompts[0], params)  # validates the request
@@ -172,16 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def engine_args(args: argparse.Namespace) -> dict:
-    return {
-        "max_num_seqs": args.max_num_seqs,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory": args.kv_cache_memory,
-        "attention_backend": args.attention_backend,
-    }
 
 
 def read_prompts_file(path: str) -> list[str]:

@@ -56,34 +56,14 @@ class LLMEngine:
     A request whose prompt and max_tokens do not fit in max_model_len (the context window, or the pool's
     tokens if fewer) is refused when it is made (``check_length``), as one that would pass the window is.
 
-    The arguments are those of ``EngineArgs`` (config.py), which checks them before any weights load:
+    The arguments are those of ``EngineArgs`` (config.py), by name or in its order, or one ``EngineArgs``
+    already made (the command line's); it checks them before any weights load:
     raises ValueError on a bad argument; ConnectionError if a Hub model cannot be fetched. Raises
     ValueError, once the weights are loaded, if the KV-cache pool does not fit in the free memory.
     """
 
-    def __init__(
-        self,
-        model: str = "demo",
-        device: str = "cpu",
-        dtype: str = "float32",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 8,
-        max_num_batched_tokens: int | None = None,
-        attention_backend: str = "auto",
-    ):
-        self.args = args = EngineArgs(
-            model=model,
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attention_backend=attention_backend,
-        )
+    def __init__(self, *engine_args, **kwargs):
+        self.args = args = EngineArgs.make(*engine_args, **kwargs)
         self.device, self.dtype = args.torch_device, args.torch_dtype
         self.attention_backend = args.attention_backend
         self.tokenizer = Tokenizer(args.folder)

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 import step6_server
 
 from . import input_batch as input_batch_module
-from .__main__ import engine_kwargs, parse_args
+from .__main__ import parse_args
 from .api_server import build_app
 from .async_engine import engine_features
 from .cuda_graph import capture_sizes, padded_size
@@ -251,7 +251,7 @@ def test_enforce_eager_argument(demo_snapshot):
     engine = LLMEngine(model=str(demo_snapshot), enforce_eager=True)
     assert engine.model_runner.graph_runner is None
     assert parse_args([]).enforce_eager is False
-    assert engine_kwargs(parse_args(["--enforce-eager"]))["enforce_eager"] is True
+    assert parse_args(["--enforce-eager"]).enforce_eager is True  # EngineArgs.from_cli_args takes it
 
 
 def test_server_says_whether_cuda_graphs_are_on(demo_snapshot):

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import inspect
 import signal
 import socket
 import sys
@@ -24,6 +23,7 @@ try:  # torch and the web stack load here: Ctrl-C meanwhile exits quietly with 1
 
     from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
     from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown, describe_features
+    from .config import EngineArgs
     from .engine import LLMEngine
 except KeyboardInterrupt:
     print(file=sys.stderr)
@@ -38,80 +38,38 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default where it has one (not None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def make_parser() -> argparse.ArgumentParser:
-    """The command line's flags; each one's help says its default."""
+    """The command line's flags: the server's, then the engine's (``EngineArgs.add_cli_args``); --help
+    shows each one's default."""
     parser = _Parser(
         prog=f"python -m {__package__ or 'step8_async_scheduling'}",
         description="Serve the engine over OpenAI's HTTP API, with a web page at /.",
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
-    )
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    parser.add_argument(
-        "--model",
-        default="demo",
-        help="'demo' (bundled), a Hub id or alias such as gpt2, or a local folder (default demo)",
-    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "float16", "bfloat16"],
-        help="weights, activations and KV cache (default float32)",
-    )
     parser.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/ requests (default: none, open)",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=8, help="most requests running at once (default 8)"
-    )
-    parser.add_argument(
         "--max-waiting-requests",
         type=int,
         default=DEFAULT_MAX_WAITING_REQUESTS,
-        help="waiting requests beyond which new ones get 429; a request with more engine requests "
-        f"(prompts x n) gets 400 (default {DEFAULT_MAX_WAITING_REQUESTS})",
-    )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
-    parser.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="KV-cache blocks in the pool (default: room for --max-num-seqs sequences of the full window)",
+        help="waiting requests beyond which new ones get 429; a request that alone makes more engine "
+        "requests gets 400",
     )
     parser.add_argument(
-        "--kv-cache-memory",
-        type=int,
-        default=None,
-        help="KV-cache pool size in bytes, instead of --num-kv-blocks (default: unset)",
-    )
-    parser.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=["auto", "triton", "torch"],
-        help="attention implementation (default auto: Triton on CUDA, torch elsewhere)",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="capture no CUDA graphs: every step runs eagerly (on a CPU it always does)",
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule and launch the next step before reading this one's tokens (default: on with CUDA, "
-        "off on a CPU)",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})",
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body accepted"
     )
     parser.add_argument(
         "--timeout-graceful-shutdown",
@@ -119,14 +77,15 @@ def make_parser() -> argparse.ArgumentParser:
         default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help="after Ctrl-C or SIGTERM, how long open requests may run on before each is ended with an "
-        f"error event (default {DEFAULT_GRACE_S:g})",
+        "error event",
     )
     parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level (default warning; info logs every request)",
+        help="uvicorn's log level (info logs every request)",
     )
+    EngineArgs.add_cli_args(parser)  # --model, --device, --dtype, ...: the engine's arguments
     return parser
 
 
@@ -136,11 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
-    # limits that would admit nothing are refused here, before the model loads
-    for name in ("max_num_seqs", "block_size", "max_waiting_requests", "num_kv_blocks", "kv_cache_memory"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1 ({value} admits no request)")
+    if args.max_waiting_requests < 1:  # refused here, before the model loads (the engine's: by their flags)
+        parser.error(
+            f"argument --max-waiting-requests: must be >= 1 ({args.max_waiting_requests} admits none)"
+        )
     if not args.timeout_graceful_shutdown >= 0:
         parser.error("argument --timeout-graceful-shutdown: must be >= 0 seconds")
     if args.max_body_bytes < len(SMALLEST_BODY):
@@ -149,26 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"request ({SMALLEST_BODY.decode()})"
         )
     return args
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The LLMEngine arguments of the command line; ``attention_backend`` only if this engine takes it."""
-    kwargs = dict(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-    )
-    if args.attention_backend is not None:
-        if "attention_backend" not in inspect.signature(LLMEngine).parameters:
-            raise ValueError("--attention-backend: this engine has a single attention implementation")
-        kwargs["attention_backend"] = args.attention_backend
-    return kwargs
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -243,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sock = bind(args.host, args.port)  # first: a busy port is reported before a model loads for nothing
-        engine = LLMEngine(**engine_kwargs(args))
+        engine = LLMEngine(EngineArgs.from_cli_args(args))
     except (ValueError, ConnectionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,16 +22,17 @@ from .sequence import RequestOutput, Sequence
 class LLM:
     """Generate text with a GPT-2 model.
 
-    model: "demo" (bundled), a Hub id or alias ("gpt2", "gpt2-medium", ...), or a local snapshot
-    folder (see ``common.weights.resolve_model``). device: a torch device string. dtype: "float32",
-    "float16" or "bfloat16". Further keyword arguments go to ``LLMEngine``.
+    The arguments are ``LLMEngine``'s, those of ``EngineArgs`` (config.py), by name or in its order:
+    ``LLM("gpt2")``, ``LLM(model="demo", device="cuda", dtype="float16", max_num_seqs=16)``; or one
+    ``EngineArgs`` already made. model: "demo" (bundled), a Hub id or alias ("gpt2", "gpt2-medium", ...),
+    or a local snapshot folder (see ``common.weights.resolve_model``).
 
     Raises ValueError on a bad model, device, dtype or engine argument; ConnectionError if a Hub model
     cannot be fetched.
     """
 
-    def __init__(self, model: str = "demo", device: str = "cpu", dtype: str = "float32", **engine_args):
-        self.engine = LLMEngine(model, device, dtype, **engine_args)
+    def __init__(self, *engine_args, **kwargs):
+        self.engine = LLMEngine(*engine_args, **kwargs)
         self.tokenizer = self.engine.tokenizer
         self.model = self.engine.model
         self.config = self.engine.config

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import step7_cuda_graphs as step7
 
-from .__main__ import engine_kwargs, parse_args
+from .__main__ import parse_args
 from .api_server import build_app
 from .config import EngineArgs
 from .engine import LLMEngine, uses_penalty
@@ -261,9 +261,9 @@ def test_async_scheduling_argument(demo_snapshot):
     assert EngineArgs(model=str(demo_snapshot), async_scheduling=True).async_scheduling is True
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model=str(demo_snapshot), async_scheduling="yes")
-    assert engine_kwargs(parse_args([]))["async_scheduling"] is None
-    assert engine_kwargs(parse_args(["--async-scheduling"]))["async_scheduling"] is True
-    assert engine_kwargs(parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
+    assert parse_args([]).async_scheduling is None  # EngineArgs.from_cli_args takes it
+    assert parse_args(["--async-scheduling"]).async_scheduling is True
+    assert parse_args(["--no-async-scheduling"]).async_scheduling is False
 
 
 # ---------------------------------------------------------------------------------------------------------

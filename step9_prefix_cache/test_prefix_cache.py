@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import step8_async_scheduling
 
-from .__main__ import engine_kwargs, parse_args
+from .__main__ import parse_args
 from .api_server import build_app
 from .async_engine import engine_features
 from .block_manager import BlockManager, hash_block
@@ -483,7 +483,7 @@ def test_enable_prefix_caching_argument(demo_snapshot, oracle):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLMEngine(model=str(demo_snapshot), enable_prefix_caching="yes")
     assert parse_args([]).enable_prefix_caching is True
-    assert engine_kwargs(parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
+    assert parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False  # to EngineArgs
     off = LLM(model=str(demo_snapshot), block_size=BLOCK, enable_prefix_caching=False)
     assert engine_features(off.engine)["prefix_caching"] is False  # what the server shows
     with pytest.raises(ValueError, match="n=9"):

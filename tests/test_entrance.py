@@ -4,10 +4,13 @@ ValueError naming the argument; and every command line's start-up, where Ctrl-C 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +119,38 @@ def test_ctrl_c_during_start_up_exits_quietly_with_130(tmp_path, step, at):
     )
     assert proc.returncode == 130, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+
+
+SERVER_STEPS = {s.name for s in GENERATING_STEPS if (s / "api_server.py").is_file()}
+
+
+@pytest.mark.parametrize("step", STEP_NAMES)
+def test_engine_arguments_are_declared_once_in_engine_args(step, demo_snapshot, run_main):
+    """EngineArgs (config.py) declares each engine argument once: the command line's flags (the server's
+    too) are made from its fields, with their defaults and checks, and come back through from_cli_args;
+    LLMEngine and LLM take its arguments as they are (no default of their own, no signature probe)."""
+    config, cli = importlib.import_module(f"{step}.config"), importlib.import_module(f"{step}.__main__")
+    module, prompt = importlib.import_module(step), [] if step in SERVER_STEPS else ["x"]
+    declared = [arg for arg in dataclasses.fields(config.EngineArgs) if arg.init]
+    parsed = cli.parse_args([*prompt, "--model", str(demo_snapshot)])
+    assert all(getattr(parsed, arg.name) == arg.default for arg in declared[1:])  # every flag, its default
+    made = config.EngineArgs.from_cli_args(parsed)
+    assert made == config.EngineArgs(model=str(demo_snapshot)) and config.EngineArgs.make(made) is made
+    for make in (module.LLMEngine, module.LLM):
+        assert all(p.default is inspect.Parameter.empty for p in inspect.signature(make).parameters.values())
+    assert "inspect.signature" not in Path(cli.__file__).read_text()
+    for arg in declared:  # a value its check refuses: argparse's one line, exit status 2, nothing loaded
+        if arg.metadata["check"] is not None and "type" in arg.metadata["flag"]:
+            status, out, err = run_main(cli.main, [*prompt, "--" + arg.name.replace("_", "-"), "0"])
+            assert status == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+            assert f"must be {arg.metadata['check'][1]}" in err
+
+
+@pytest.mark.parametrize("step", STEP_NAMES)
+def test_llm_takes_engine_args_by_position_name_or_made(step, demo_snapshot):
+    module, config = importlib.import_module(step), importlib.import_module(f"{step}.config")
+    made = config.EngineArgs(model=str(demo_snapshot))
+    for llm in (module.LLM(str(demo_snapshot)), module.LLM(model=str(demo_snapshot)), module.LLM(made)):
+        assert llm.engine.args == made
+    with pytest.raises(ValueError, match="^dtype='int8': must be one of"):
+        module.LLM(str(demo_snapshot), "cpu", "int8")
