@@ -633,6 +633,16 @@ def test_context_error_is_the_python_apis_and_the_sdk_raises_bad_request(client,
     assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "context_length_exceeded"
 
 
+def test_the_package_names_the_server(served):
+    """api_server.py, the page and the command line are the same files in steps 6 to 9: the step's name
+    comes from ``__package__`` (the app's title, the models' owned_by, the page's title, the CLI's prog)."""
+    assert served.app.title == __package__
+    assert httpx.get(f"{served.url}/v1/models").json()["data"][0]["owned_by"] == __package__
+    page = httpx.get(f"{served.url}/").text
+    assert "card.owned_by" in page and __package__ not in page
+    assert make_parser().prog == f"python -m {__package__}"
+
+
 def test_a_number_that_is_not_finite_is_refused_as_such(served):
     """Python's JSON reader takes NaN and Infinity: they get 400 saying the number must be finite (not that
     it is over a bound it does not compare with)."""
@@ -964,6 +974,7 @@ def test_web_page_streams_a_completion(served, llm):
             expect(page.locator("#features")).to_have_text(
                 "device cpu, dtype float32, attention backend torch"
             )
+            expect(page).to_have_title(f"{__package__}: GPT-2, streamed")  # from /v1/models' owned_by
             page.fill("#prompt", "The Python interpreter")
             page.fill("#temperature", "0")
             page.fill("#max-tokens", "24")

@@ -1,7 +1,7 @@
 """The command line: serve the engine over HTTP with OpenAI's API.
 
-    python -m step7_cuda_graphs --model demo            # http://127.0.0.1:8000, the web page at /
-    python -m step7_cuda_graphs --model gpt2 --device cuda --dtype float16 --port 8080
+    python -m <step> --model demo            # http://127.0.0.1:8000, the web page at /
+    python -m <step> --model gpt2 --device cuda --dtype float16 --port 8080
 
 Run it from the repository root; `--help` lists every option with its default.
 """
@@ -49,7 +49,7 @@ def make_parser() -> argparse.ArgumentParser:
     """The command line's flags: the server's, then the engine's (``EngineArgs.add_cli_args``); --help
     shows each one's default."""
     parser = _Parser(
-        prog=f"python -m {__package__ or 'step7_cuda_graphs'}",
+        prog=f"python -m {__package__}",
         description="Serve the engine over OpenAI's HTTP API, with a web page at /.",
         formatter_class=HelpFormatter,
     )
@@ -172,8 +172,7 @@ class Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m step7_cuda_graphs``: bind the port, load the model, print the page's URL and a curl line,
-    serve.
+    """``python -m <step>``: bind the port, load the model, print the page's URL and a curl line, serve.
 
     Exit status: 0 after a clean shutdown (Ctrl-C or SIGTERM: see ``Server``), 2 on bad flags or a
     model/port that cannot be used (one line on stderr), 130 after a second Ctrl-C.

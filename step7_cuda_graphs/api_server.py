@@ -39,7 +39,7 @@ from .serving_engine import ClientDisconnected, OpenAIServing
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a 1024-token prompt is a few KiB of JSON
 SMALLEST_BODY = b'{"prompt":"x"}'  # a cap below its size would refuse every request
-OWNED_BY = "step7_cuda_graphs"
+OWNED_BY = __package__  # the step serving: /v1/models' owned_by, the app's and the page's titles
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def build_app(
             await asyncio.to_thread(bridge.shutdown)
 
     app = FastAPI(
-        title="step7_cuda_graphs",
+        title=__package__,
         summary="An OpenAI-compatible server over the staged GPT-2 engine",
         lifespan=lifespan,
         docs_url=None,

@@ -68,8 +68,9 @@ UNCHANGED_FROM_PREVIOUS = {
         "flash_decoding.py",
         "kv_write.py",
     ],
-    # step 7 changes the model runner and the engine's start-up and arguments (and the CLI's flags, the
-    # package's name, the server's line that says whether graphs are on): the rest of the engine and server
+    # step 7 changes the model runner, the engine's start-up and arguments (config.py) and the server's line
+    # that says whether graphs are on (async_engine.py): the rest of the engine and the server (whose files
+    # take the package's name from __package__)
     "step7_cuda_graphs": [
         "sampling_params.py",
         "sampler.py",
@@ -87,10 +88,13 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_completion.py",
         "serving_chat.py",
         "metrics.py",
+        "api_server.py",
+        "static/index.html",
+        "__main__.py",
     ],
     # step 8 changes the engine's step, the model runner's launch, the input buffers, the scheduler's finish
-    # and the arguments (and the CLI's flag, the package's name, the server's line that says whether async
-    # scheduling is on): the sampler, the sequence, the graphs stay
+    # and the arguments (config.py), and the server's line that says whether async scheduling is on: the
+    # sampler, the sequence, the graphs and the rest of the server stay
     "step8_async_scheduling": [
         "sampling_params.py",
         "sampler.py",
@@ -108,6 +112,9 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_completion.py",
         "serving_chat.py",
         "metrics.py",
+        "api_server.py",
+        "static/index.html",
+        "__main__.py",
     ],
     # step 9 changes the block manager, the scheduler, sequences and SamplingParams (n), the prefill's
     # inputs and attention over cached context, and the server's n and metrics: the sampler, the kernels,
@@ -119,6 +126,7 @@ UNCHANGED_FROM_PREVIOUS = {
         "kv_write.py",
         "cuda_graph.py",
         "protocol.py",
+        "__main__.py",
     ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
