@@ -154,3 +154,49 @@ def test_llm_takes_engine_args_by_position_name_or_made(step, demo_snapshot):
         assert llm.engine.args == made
     with pytest.raises(ValueError, match="^dtype='int8': must be one of"):
         module.LLM(str(demo_snapshot), "cpu", "int8")
+
+
+# A Python without the web stack: importing any of these modules fails, as on a GPU box that has torch only.
+WITHOUT_THE_WEB_STACK = """
+import importlib
+import sys
+
+WEB = {"fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "prometheus_client"}
+
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in WEB:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: not installed)", name=name)
+
+
+sys.meta_path.insert(0, NotInstalled())
+for step in sys.argv[2:]:
+    module = importlib.import_module(step)
+    params = module.SamplingParams(max_tokens=2, temperature=0)
+    out = module.LLM(model=sys.argv[1]).generate("The Python interpreter", params)[0]
+    assert len(out.outputs[0].token_ids) == 2, step
+    if "build_app" in module.__all__:  # the server needs the web stack: it says which module is missing
+        try:
+            module.build_app
+        except ModuleNotFoundError as e:
+            assert e.name.split(".")[0] in WEB, e
+        else:
+            raise AssertionError(f"{step}.build_app imported without the web stack")
+    print(step, "ok")
+assert not WEB & {name.split(".")[0] for name in sys.modules}
+"""
+
+
+def test_every_step_imports_and_generates_with_torch_alone(demo_snapshot):
+    """``import stepN_...`` and a generation need torch only: the server's modules (FastAPI, uvicorn,
+    pydantic, prometheus_client) are imported when the server starts, so the engine runs without them."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_WEB_STACK, str(demo_snapshot), *STEP_NAMES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SAFETY_NET_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [word for step in STEP_NAMES for word in (step, "ok")]
