@@ -85,8 +85,8 @@ class EngineArgs:
 
     Resolved from them: folder (the snapshot folder), hf_config (its ``GPT2Config``), torch_device,
     torch_dtype, and max_model_len: the tokens one request can reach, prompt included (the context window,
-    or the pool's tokens if fewer). num_kv_blocks, max_num_batched_tokens, attention_backend and
-    async_scheduling hold their resolved values.
+    or the pool's tokens if fewer). An argument whose default is resolved (from the model, the pool or the
+    device) holds the resolved value.
 
     Raises ValueError, naming the argument, if one is bad; ConnectionError if a Hub model cannot be fetched.
     """
