@@ -995,6 +995,17 @@ def test_web_page_streams_a_completion(served, llm):
             expect(page.locator("#tok-s")).to_have_text(re.compile(r"^\d+(\.\d)?$"))
             expect(page.locator("#kv-usage")).to_have_text(re.compile(r"^\d+\.\d % \(\d+ of \d+ blocks\)$"))
             expect(page.locator("#waiting")).to_have_text(re.compile(r"^\d+$"))
+            expect(page.locator("#tokens")).to_have_text(re.compile(r"^[1-9]\d*$"))
+            # a request refused before any token: the error, and no token count ("–", not "0")
+            error = {
+                "error": {"message": "refused here", "type": "BadRequestError", "param": None, "code": 400}
+            }
+            page.route("**/v1/completions", lambda route: route.fulfill(status=400, json=error))
+            page.click("#generate")
+            expect(page.locator("#status")).to_have_text("error")
+            expect(page.locator("#error")).to_have_text("refused here")
+            for figure in ("#ttft", "#tokens", "#tok-s"):
+                expect(page.locator(figure)).to_have_text("–")
         finally:
             browser.close()
 

@@ -76,7 +76,8 @@ class EngineRequest:
     the prompt's n choices).
 
     index: the index of the first choice it fills (choice c of its outputs fills index + c). Times are
-    ``time.perf_counter`` seconds, set by the engine loop; last_output: by choice, its latest output.
+    ``time.perf_counter`` seconds, set by the engine loop; last_output: by choice, its latest output;
+    num_finished: its choices that have finished.
     """
 
     request_id: str
@@ -84,8 +85,8 @@ class EngineRequest:
     params: SamplingParams
     index: int = 0
     submitted: float = 0.0
-    first_output: float | None = None
     last_output: dict[int, float] = field(default_factory=dict)
+    num_finished: int = 0
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
 
@@ -263,8 +264,9 @@ class AsyncEngine:
                 self._routes[arg.request_id] = arg
             else:
                 self.engine.abort_request(arg)
-                if self._routes.pop(arg, None) is not None and self.metrics:
-                    self.metrics.success("abort")
+                if (r := self._routes.pop(arg, None)) is not None and self.metrics:
+                    for _ in range(r.params.n - r.num_finished):  # its unfinished choices
+                        self.metrics.success("abort")
         self._deliver(refused)
 
     def _route(self, outputs: list[RequestOutput], step_started: float, now: float) -> None:
@@ -275,21 +277,20 @@ class AsyncEngine:
             r = self._routes.get(out.request_id)
             if r is None:
                 continue
-            completion = out.outputs[-1]
-            if m:
-                if r.first_output is None:
+            completion = out.outputs[0]
+            if m:  # each choice as a request (as step 8's n requests, vLLM's child requests): DELTA has one
+                if completion.index not in r.last_output:  # the choice's first output
                     m.ttft.observe(now - r.submitted)
                     m.queue_time.observe(max(0.0, step_started - r.submitted))
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
-                elif completion.index in r.last_output:  # since the choice's own last output
+                else:
                     m.itl.observe(now - r.last_output[completion.index])
-                m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-                if out.finished:
+                m.generation_tokens.inc(len(completion.token_ids))
+                if completion.finished:
                     m.e2e.observe(now - r.submitted)
                     m.success(completion.finish_reason or "stop")
-            if r.first_output is None:
-                r.first_output = now
             r.last_output[completion.index] = now
+            r.num_finished += completion.finished
             if out.finished:
                 del self._routes[out.request_id]
             deliveries.append((r, (r.index, out)))

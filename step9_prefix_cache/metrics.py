@@ -21,6 +21,7 @@ class ServerMetrics:
     submitted the request: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
     (between two outputs of a choice: n series for n choices), ``vllm:e2e_request_latency_seconds``,
     ``vllm:request_queue_time_seconds`` (submitted -> the start of the step that ran its prefill).
+    n choices count as n requests (vLLM's child requests): n samples, n successes, the prompt tokens n times.
     Each app has its own ``CollectorRegistry``, so that several apps can live in one process (tests).
     """
 

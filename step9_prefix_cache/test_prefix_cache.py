@@ -12,6 +12,7 @@ stays in use. The Triton kernel and the torch backend agree on a chunk of new qu
 
 from __future__ import annotations
 
+import asyncio
 import random
 from types import SimpleNamespace
 
@@ -25,13 +26,14 @@ import step8_async_scheduling
 
 from .__main__ import parse_args
 from .api_server import build_app
-from .async_engine import engine_features
+from .async_engine import AsyncEngine, EngineRequest, engine_features
 from .block_manager import BlockManager, hash_block
 from .engine import PLACEHOLDER_TOKEN_ID, LLMEngine
 from .kernels import paged_attention as triton_attention
 from .kernels import triton_usable
 from .kv_cache import PagedKVCache
 from .llm import LLM
+from .metrics import ServerMetrics
 from .model import AttentionMetadata, decode_attention_mask
 from .model import paged_attention as torch_attention
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -477,6 +479,71 @@ def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):
         response = client.post("/v1/completions", json={**body, "stream": True})
     assert response.status_code == 200
     assert len(samples) == 4 * 9 and min(samples) > 0, samples
+
+
+def request_metrics(exposition: str) -> dict[str, float]:
+    """The per-request figures of a /metrics page: token counters, finished requests by reason, and the
+    number of samples of each latency histogram (their values are times, which differ from run to run)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success")
+    return {
+        f"{s.name}{sorted(s.labels.items())}": s.value
+        for family in text_string_to_metric_families(exposition)
+        for s in family.samples
+        if s.name.endswith("_count") or (s.name.endswith("_total") and family.name in names)
+    }
+
+
+def test_server_request_metrics_are_per_choice_as_in_step8(demo_snapshot):
+    """One request of n = 4 choices is one engine request here and 4 in step 8's server (and 4 child
+    requests in vLLM): its metrics count 4 of everything, as step 8's do: 4 samples of time to first token,
+    queue time and end-to-end latency, 4 finished requests by their finish reasons, every choice's tokens,
+    the prompt's tokens once per choice."""
+    body = {"prompt": "The Python interpreter", "max_tokens": 6, "n": 4, "seed": 1, "stop": ["in"]}
+    got = {}
+    for step, make_app, make_engine in [
+        (9, build_app, LLMEngine),
+        (8, step8_async_scheduling.build_app, step8_async_scheduling.LLMEngine),
+    ]:
+        engine = make_engine(model=str(demo_snapshot), block_size=BLOCK)
+        prompt_len = len(engine.tokenizer.encode(body["prompt"]))
+        with TestClient(make_app(engine)) as client:
+            response = client.post("/v1/completions", json={**body, "stream": True})
+            assert response.status_code == 200
+            got[step] = request_metrics(client.get("/metrics").text)
+    assert got[9] == got[8]
+    label = "[('model_name', 'demo')]"
+    assert got[9][f"vllm:time_to_first_token_seconds_count{label}"] == 4
+    assert got[9][f"vllm:e2e_request_latency_seconds_count{label}"] == 4
+    assert got[9][f"vllm:request_queue_time_seconds_count{label}"] == 4
+    assert got[9][f"vllm:prompt_tokens_total{label}"] == 4 * prompt_len
+    for reason in ("stop", "length"):  # two choices hit the stop string, two run to max_tokens
+        assert got[9][f"vllm:request_success_total[('finished_reason', '{reason}'), {label[1:-1]}]"] == 2
+
+
+def test_server_counts_an_aborted_request_once_per_unfinished_choice(demo_snapshot):
+    """A request of n = 4 choices aborted after two of them stopped (a stop string) counts 2 requests
+    finished with "stop" and 2 with "abort", as step 8's 4 engine requests would."""
+    engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK)
+    bridge = AsyncEngine(engine, ServerMetrics("demo"))  # stepped here, as its loop thread would
+    params = SamplingParams(n=4, max_tokens=50, seed=1, stop=["in"], output_kind=RequestOutputKind.DELTA)
+    prompt_ids = engine.tokenizer.encode("The Python interpreter")
+    loop = asyncio.new_event_loop()
+    request = EngineRequest("r", prompt_ids, params, loop=loop, queue=asyncio.Queue())
+    bridge._apply([("add", request)])
+    stopped = 0
+    while stopped < 2:
+        outputs = engine.step()
+        stopped += sum(c.finish_reason == "stop" for out in outputs for c in out.outputs)
+        bridge._route(outputs, 0.0, 0.0)
+    bridge._apply([("abort", "r")])
+    loop.close()
+    got = request_metrics(bridge.metrics.exposition().decode())
+    for reason in ("stop", "abort"):
+        assert (
+            got[f"vllm:request_success_total[('finished_reason', '{reason}'), ('model_name', 'demo')]"] == 2
+        )
 
 
 def test_enable_prefix_caching_argument(demo_snapshot, oracle):
