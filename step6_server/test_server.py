@@ -1154,7 +1154,9 @@ def test_sigterm_with_streams_open_ends_them_with_an_error_event(demo_snapshot):
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "Exception in ASGI" not in err, err
     logged = [line for line in err.splitlines() if "shut" in line]
-    assert len(logged) == 1 and "2 open request" in logged[0] and "0 KV blocks in use" in logged[0], err
+    assert len(logged) == 1 and "2 open requests ended" in logged[0] and "0 KV blocks in use" in logged[0], (
+        err
+    )
 
 
 def test_null_fields_take_their_defaults(served):

@@ -217,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         bridge.shutdown(timeout=2)
     if server.signals:
         print(
-            f"shut down on {signal.Signals(server.signals[0]).name}: {server.ended} open request(s) "
-            f"ended with an error, {engine.stats.num_used_blocks} KV blocks in use",
+            f"shut down on {signal.Signals(server.signals[0]).name}: {server.ended} open "
+            f"request{'' if server.ended == 1 else 's'} ended with an error, "
+            f"{engine.stats.num_used_blocks} KV blocks in use",
             file=sys.stderr,
             flush=True,
         )
