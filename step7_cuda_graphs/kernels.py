@@ -10,8 +10,8 @@ value is read from the pool once per query tile.
 
 In reading order: ``triton_usable``, the kernel, its launcher ``paged_attention`` (tiles, grid, input
 checks), ``warm_up`` (compiles the engine's variants at start) and ``paged_attention_reference`` (plain
-PyTorch, for tests and benchmarks). Split-K decode (flash_decoding.py) and the KV write as a kernel
-(kv_write.py) are exercises beyond GPT-2's window that the engine does not import.
+PyTorch, for tests and benchmarks). Split-K decode and the KV write as a kernel, exercises beyond GPT-2's
+window that no engine imports, live in step 5 beside their tests (flash_decoding.py, kv_write.py).
 
 Shapes: N new tokens in the batch, S sequences, H heads, D head size, L a sequence's length (cached + new),
 num_blocks x block_size slots in the pool, M block-table entries per sequence.
