@@ -309,6 +309,25 @@ def test_readme_command_runs(command):
     assert result.stdout.strip()
 
 
+LESSON_DIFF = "diff -ruN -x __pycache__ -x 'test_*' -x README.md"
+
+
+def test_readme_diff_commands_leave_out_tests_and_readmes():
+    """Every diff command a README gives reads the lesson, code only (what the table below counts), from a
+    step to the next: `diff -ruN -x __pycache__ -x 'test_*' -x README.md stepA stepB`."""
+    names = [s.name for s in STEPS]
+    found = 0
+    for readme in [ROOT / "README.md", *(s / "README.md" for s in STEPS)]:
+        for command in re.findall(r"diff -r[^`\n#]*", readme.read_text()):
+            if not re.search(r"step\w+ +step\w+", command):
+                continue  # prose about diff, not a command
+            found += 1
+            assert command.startswith(LESSON_DIFF + " "), f"{readme.relative_to(ROOT)}: {command}"
+            a, b = command[len(LESSON_DIFF) :].split()[:2]
+            assert names.index(b) == names.index(a) + 1, f"{readme.relative_to(ROOT)}: {command}"
+    assert found >= len(STEPS)
+
+
 def code_files(step: Path) -> dict[str, list[str]]:
     """A step's code as diffed in the README's table: every file but tests, READMEs and caches."""
     return {
