@@ -603,8 +603,9 @@ def run_dtype_study(spec: dict, device: str) -> dict:
     ``max_tokens`` greedy tokens (ignore_eos) after each of ``prompts`` prompts (``DTYPE_STUDY_PROMPTS``,
     cut or padded with the demo tokenizer's ids to ``prompt_tokens``), in the reference dtype and in each of
     ``dtypes``. Per dtype: how many outputs are identical to the reference's, the first position where each
-    other one differs, and whether GUIDE.md's tier holds there: each side's token is among the other side's
-    ``top`` most likely, by step 0's model (fp32, and cast to the dtype) on the reference's prefix."""
+    other one differs, and whether the root README's fp16 tier holds there: each side's token is among the
+    other side's ``top`` most likely, by step 0's model (fp32, and cast to the dtype) on the reference's
+    prefix."""
     module = importlib.import_module(STEP_PACKAGES[spec["engine"]])
     step0 = importlib.import_module("step0_model")
     folder = snapshot(spec["model"])
