@@ -13,61 +13,75 @@ import importlib
 import inspect
 import sys
 
-from . import harness
-from .models import MODELS
+from .lib import harness
+from .lib.models import MODELS
 
-# name -> (module, what it measures in one line). Modules are imported only when run, so --help is fast.
+# name -> (module, the step it measures, the question it answers). Modules are imported only when run, so
+# --help is fast. The order is the steps'; benchmarks/README.md opens with the same table.
 BENCHMARKS = {
     "kvcache": (
         "benchmarks.kvcache",
-        "step2's KV cache vs step1 and HF: ms/token vs length, TTFT, KV bytes/token",
+        "2",
+        "what the KV cache buys: ms/token vs length, TTFT, KV bytes/token (vs step 1, HF)",
     ),
     "static_batch": (
         "benchmarks.static_batch",
-        "step3's static batching vs step2 and HF batched: tok/s vs batch, mixed",
+        "3",
+        "what static batching buys and wastes: tok/s vs batch, a mixed workload (vs step 2, HF)",
     ),
     "continuous": (
         "benchmarks.continuous",
-        "step4's continuous batching + paged KV vs step3 and HF: latency, memory",
-    ),
-    "gpu": (
-        "benchmarks.gpu",
-        "steps 2-5 vs HF generate on a GPU: ms/token at B=1, tok/s vs B, fp16/fp32, profile",
+        "4",
+        "what continuous batching and paged KV buy: tok/s, latency, TTFT, memory (vs step 3, HF)",
     ),
     "attention": (
         "benchmarks.attention",
-        "step5's Triton kernels vs PyTorch: prefill, paged decode, write_kv, KV memory",
+        "5",
+        "the Triton kernels alone: prefill, paged decode, write_kv, KV memory (vs PyTorch)",
+    ),
+    "gpu": (
+        "benchmarks.gpu",
+        "2-8",
+        "what each step buys on a GPU: ms/token at B=1, tok/s vs B, dtypes (vs HF, HF static cache)",
+    ),
+    "server_overhead": (
+        "benchmarks.server_overhead",
+        "6",
+        "what the HTTP server costs on top of its engine: tok/s, TTFT, ITL, 16 streams, Poisson",
     ),
     "cuda_graphs": (
         "benchmarks.cuda_graphs",
-        "step7's CUDA graphs: kernels per step, a decode step's breakdown, replay vs eager, the ladder",
+        "7",
+        "where a decode step's time goes, replayed vs eager; what the capture ladder costs",
     ),
-    "overlap_profile": (
-        "benchmarks.overlap_profile",
-        "step8's async scheduling vs step7: GPU idle between decode steps (torch.profiler), ms/step",
+    "async_scheduling_profile": (
+        "benchmarks.async_scheduling_profile",
+        "8",
+        "how long the GPU idles between decode steps, step 7 vs 8 (torch.profiler)",
     ),
-    "server": (
-        "benchmarks.server",
-        "step6's HTTP server vs the in-process engine: tok/s, TTFT, ITL, 16 streams, Poisson",
-    ),
-    "server_steps": (
-        "benchmarks.server_steps",
-        "the servers of steps 6-9 side by side: tok/s, TTFT, ITL at 1, 16, 64 streams",
+    "server_by_step": (
+        "benchmarks.server_by_step",
+        "6-9",
+        "what each mechanism buys an HTTP client: tok/s, TTFT, ITL at 1, 16, 64 streams",
     ),
     "prefix_cache": (
         "benchmarks.prefix_cache",
-        "step9's prefix cache vs the engine without it: shared-prefix and unique workloads, TTFT, hits",
+        "9",
+        "what the prefix cache buys on a shared prefix, and costs when nothing is shared (vs step 8)",
     ),
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    listing = "\n".join(f"  {name:<12} {summary}" for name, (_, summary) in BENCHMARKS.items())
+    listing = "\n".join(
+        f"  {name:<25} step {step:<4} {question}" for name, (_, step, question) in BENCHMARKS.items()
+    )
     models = "\n".join(f"  {name:<18} {summary}" for name, summary in MODELS.items())
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description=__doc__.splitlines()[0],
-        epilog=f"benchmarks:\n{listing}\n\nmodels:\n{models}\n  (or a local snapshot folder)",
+        epilog=f"benchmarks (benchmarks/README.md: the --quick commands, the minutes each takes):\n{listing}"
+        f"\n\nmodels:\n{models}\n  (or a local snapshot folder)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -1,15 +1,13 @@
 """Step 5's kernels against the PyTorch ways, one operation at a time, and a KV-memory model.
 
-On the attention shape of the model's config (``gpt2-124m-random``: 12 heads x 64), fp16, KV blocks of 16
-tokens, random data from a fixed seed, on one GPU: a. causal prefill (materialised T x T attention, torch's
-SDPA, the Triton kernel reading a paged pool in place), b. paged decode (step 4's gather + SDPA against the
-Triton kernel, plain and flash-decoding), c. ``write_kv`` against step 4's indexing, d. the KV memory model
-(the blocks and sequences a budget holds, checked on the engine on CUDA). Every output is compared with
-``paged_attention_reference``; ``triton.testing.do_bench`` times on a GPU, the implementations alternated
-in rounds. Sizes, figures, targets and the JSON layout: benchmarks/README.md.
+On the model's attention shape (``gpt2-124m-random``: 12 heads x 64), fp16, blocks of 16, random data: a.
+causal prefill (materialised T x T, torch's SDPA, the Triton kernel over a paged pool), b. paged decode (step
+4's gather + SDPA, the Triton kernel plain and flash-decoding), c. ``write_kv`` against step 4's indexing, d.
+the blocks and sequences a KV budget holds. Checked against ``paged_attention_reference``;
+``triton.testing.do_bench`` on a GPU. Sizes, figures, targets and the JSON layout: benchmarks/README.md.
 
-    python -m benchmarks attention --device cuda   # on one H200
-    python -m benchmarks attention --quick         # on the CPU through Triton's interpreter: tiny sizes, fp32
+    python -m benchmarks attention --device cuda
+    python -m benchmarks attention --quick         # the CPU, through Triton's interpreter: tiny sizes, fp32
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ from step5_flash_gpu.flash_decoding import choose_num_splits, flash_decoding_att
 from step5_flash_gpu.kernels import paged_attention, paged_attention_reference, triton_usable  # noqa: E402
 from step5_flash_gpu.kv_write import write_kv  # noqa: E402
 
-from . import harness  # noqa: E402
-from .models import snapshot  # noqa: E402
+from .lib import harness  # noqa: E402
+from .lib.models import snapshot  # noqa: E402
 
 NAME = "attention"
 DEFAULT_MODELS = ["gpt2-124m-random"]

@@ -1,14 +1,12 @@
 """Step 4's benchmark: continuous batching and a paged KV cache against step 3's static batches.
 
-Greedy, ``ignore_eos``, fp32, the shared workloads of ``benchmarks/workloads``. Engines: ``step3`` (static
-batches of up to B requests in arrival order), ``step4`` (``LLMEngine`` with max_num_seqs = B, blocks of 16
-tokens), ``hf`` (transformers generate, one request after another). a. ``mixed`` and ``staggered`` at the
-same maximum batch size, 8: throughput, latency, TTFT, computed over requested positions; b. KV memory on
-``mixed``: step 4's blocks in use against step 3's reservation, the waste per sequence, and what step 4
-runs in step 3's budget; c./d. throughput against the concurrency (1 to 16), HF one by one at 16.
-Workloads, figures, targets and the JSON layout: benchmarks/README.md.
+Greedy, ``ignore_eos``, fp32, shared workloads. Engines: ``step3`` (static batches of up to B in arrival
+order), ``step4`` (``LLMEngine``, max_num_seqs = B, blocks of 16), ``hf`` (generate, one request after
+another). a. ``mixed`` and ``staggered`` at B = 8: throughput, latency, TTFT, computed over requested
+positions; b. KV memory on ``mixed``: step 4's blocks against step 3's reservation; c./d. throughput against
+the concurrency (1 to 16). Workloads, figures, targets and the JSON layout: benchmarks/README.md.
 
-    python -m benchmarks continuous                         # gpt2-124m-random, 3 runs (19 min on 2 cores)
+    python -m benchmarks continuous                         # gpt2-124m-random, 3 runs
     python -m benchmarks continuous --model demo --quick    # 1 run, fewer and shorter requests
 """
 
@@ -17,8 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import harness, serving, workloads
-from .models import hf_model, snapshot
+from .lib import drivers, harness, workloads
+from .lib.models import hf_model, snapshot
 
 NAME = "continuous"
 DEFAULT_MODELS = ["gpt2-124m-random"]
@@ -192,18 +190,18 @@ def bench_model(
 
     def engines(rs: list[workloads.Request], b: int, with_hf: bool = False) -> dict:
         calls = {
-            "step3": lambda: serving.summarise(serving.run_step3(step3, step3_static_batch, rs, b, device)),
-            "step4": lambda: serving.summarise(
-                serving.run_step4(step4_engine(b), step4_paged_continuous, rs, device)
+            "step3": lambda: drivers.summarise(drivers.run_step3(step3, step3_static_batch, rs, b, device)),
+            "step4": lambda: drivers.summarise(
+                drivers.run_step4(step4_engine(b), step4_paged_continuous, rs, device)
             ),
         }
         if with_hf:
-            calls["hf"] = lambda: serving.summarise(serving.run_hf(hf, rs, 1, device))
+            calls["hf"] = lambda: drivers.summarise(drivers.run_hf(hf, rs, 1, device))
         return calls
 
     def measure(rs: list[workloads.Request], b: int, ratios: dict, with_hf: bool = False) -> dict:
-        serving.warm_up(engines(serving.warmup_requests(rs, b, WARMUP_TOKENS), b, with_hf))
-        return serving.compare(harness.alternate(engines(rs, b, with_hf), runs, warmup=0), ratios)
+        drivers.warm_up(engines(drivers.warmup_requests(rs, b, WARMUP_TOKENS), b, with_hf))
+        return drivers.compare(harness.alternate(engines(rs, b, with_hf), runs, warmup=0), ratios)
 
     ratios = {
         "step4/step3": ("step4", "step3", "throughput_tok_s"),
@@ -238,11 +236,11 @@ def bench_model(
         max_num_seqs=budget_max_num_seqs,
         kv_cache_memory=budget,
     )
-    serving.run_step4(
-        budget_engine, step4_paged_continuous, serving.warmup_requests(reqs["mixed"], max_batch), device
+    drivers.run_step4(
+        budget_engine, step4_paged_continuous, drivers.warmup_requests(reqs["mixed"], max_batch), device
     )
-    in_budget = serving.summarise(
-        serving.run_step4(budget_engine, step4_paged_continuous, reqs["mixed"], device)
+    in_budget = drivers.summarise(
+        drivers.run_step4(budget_engine, step4_paged_continuous, reqs["mixed"], device)
     )
     del budget_engine
     kv["budget"] = {
@@ -634,7 +632,7 @@ def schedule(ax, run: dict, color: str, static: bool) -> None:
                     hatch="///",
                     linewidth=0,
                 )
-            pad, wasted = serving.batch_waste(run, batch)
+            pad, wasted = drivers.batch_waste(run, batch)
             useful = sum(r["prompt_tokens"] + r["generated_tokens"] for r in members)
             ys = [row[i] for i in batch["requests"]]
             ax.axvline(batch["end_s"], color="0.5", linewidth=0.8, linestyle=":")

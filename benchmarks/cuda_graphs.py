@@ -1,17 +1,13 @@
-"""Step 7's CUDA graphs, looked at from inside one engine step: where a decode step's time goes, eager and
-replayed, and what the capture ladder costs.
+"""Step 7's CUDA graphs from inside one engine step: where a decode step's time goes, what the ladder costs.
 
-On GPT-2 124M's shape with random weights, fp16, blocks of 16 tokens, the gpu benchmark's short workload
-(32-token prompts of random ids, 128 generated, greedy, ``ignore_eos``): a. the CUDA kernels of one eager
-``decode_forward`` (the function the graphs capture) and their GPU time, at B = 1 and 256; b. a decode
-step's breakdown, graphs and ``enforce_eager``: host time of preparing the inputs, launching the forward,
-sampling and the rest of ``LLMEngine.step``, GPU time of the forward and the sampler, beside the memory
-floor; c. the ladder: the forward replayed and eager at every batch size 1, 2, 4, then every 8 up to 256,
-and what padding to a rung costs with rungs every 8 or every 16. On a CPU (``--quick``) only a and b run,
-eagerly. Details and the JSON layout: benchmarks/README.md.
+GPT-2 124M's shape, random weights, fp16, blocks of 16, 32-token prompts, 128 generated: a. the kernels of
+one eager ``decode_forward`` (what the graphs capture) and their GPU time at B = 1 and 256; b. a decode
+step's breakdown, graphs and ``enforce_eager`` (host: inputs, launch, sampling, the rest of ``step``; GPU:
+forward, sampler); c. the ladder: replay and eager at every rung, and what padding to a rung costs with rungs
+every 8 or 16. ``--quick`` (CPU): a and b, eagerly. Details and the JSON layout: benchmarks/README.md.
 
-    python -m benchmarks cuda_graphs --device cuda     # one H200: about a minute
-    python -m benchmarks cuda_graphs --quick           # on the CPU: checks that it works
+    python -m benchmarks cuda_graphs --device cuda
+    python -m benchmarks cuda_graphs --quick
 """
 
 from __future__ import annotations
@@ -25,9 +21,9 @@ import torch
 
 from common.weights import load_config
 
-from . import harness, workloads
 from .gpu import memory_floor
-from .models import snapshot
+from .lib import harness, workloads
+from .lib.models import snapshot
 
 NAME = "cuda_graphs"
 DEFAULT_MODELS = ["gpt2-124m-random"]

@@ -1,20 +1,13 @@
-"""Steps 2 to 5, 7 and 8 on a GPU against Hugging Face's generate: what each stage buys where serving happens.
+"""Steps 2 to 5, 7 and 8 on a GPU against Hugging Face's generate, end to end through ``LLM.generate``.
 
-End to end through each engine's ``LLM.generate`` (the engine's own Python included), on GPT-2 124M's
-shape with random weights, greedy, ``ignore_eos``, B = 1, 8, 64, 256 requests of one length submitted at
-once, workloads ``short`` (32 + 128 tokens) and ``long`` (512 + 256), in fp16, fp32 and bf16 (``MATRIX``).
-Engines: ``hf`` (batched generate), ``hf_static`` (the same with a static cache, its decode compiled on a
-GPU: HF's fastest documented path; fp16), ``step2`` (B = 1), ``step3``, ``step4``, ``step5``, ``step7``
-(CUDA graphs), ``step8`` (async scheduling) (``ENGINES``). Each point: a whole untimed run of every engine,
-then alternated runs; throughput and ms per token beside the memory floor (weights and KV bytes per step
-over the measured copy bandwidth). Then cProfile of steps 4, 5, 7 and 8's engines at B = 256, and the dtype
-study (``DTYPE_STUDY``).
-``--dtype`` and ``--workload`` run one part and merge it into the recorded JSON (``merge_into``). Details
-and the JSON layout: benchmarks/README.md.
+GPT-2 124M's shape, random weights, greedy, ``ignore_eos``, B = 1, 8, 64, 256 requests at once, workloads
+``short`` (32 + 128 tokens) and ``long`` (512 + 256), fp16, fp32 and bf16 (``MATRIX``); engines ``hf``,
+``hf_static`` (compiled static cache), ``step2`` (B = 1) to ``step8`` (``ENGINES``): tok/s and ms/token; then
+cProfile at B = 256 and the dtype study (``DTYPE_STUDY``). ``--dtype`` and ``--workload`` run one part and
+merge it into the recorded JSON. Details: benchmarks/README.md.
 
-    python -m benchmarks gpu --device cuda --runs 2   # one H200: ~18 minutes (--dtype float16 alone: ~8)
     python -m benchmarks gpu --device cuda --runs 2 --dtype float16 --workload short   # one part, merged
-    python -m benchmarks gpu --quick                  # CPU, tiny sizes, fp32, B = 1 and 4: checks it works
+    python -m benchmarks gpu --quick                  # CPU, tiny sizes, fp32, B = 1 and 4
 """
 
 from __future__ import annotations
@@ -32,8 +25,8 @@ import torch
 
 from common.weights import load_config
 
-from . import harness, serving, workloads
-from .models import hf_model, snapshot
+from .lib import drivers, harness, workloads
+from .lib.models import hf_model, snapshot
 
 NAME = "gpu"
 DEFAULT_MODELS = ["gpt2-124m-random"]
@@ -480,7 +473,7 @@ def measure(
     step name -> its ``LLM``) each run once on the requests untimed, then alternated over ``runs`` runs."""
     cache = {"hf": None, "hf_static": "static"}
     calls = {
-        e: lambda e=e: hf_figures(serving.run_hf(hf, reqs, b, device, cache_implementation=cache[e]))
+        e: lambda e=e: hf_figures(drivers.run_hf(hf, reqs, b, device, cache_implementation=cache[e]))
         for e in hf_engines
     }
     calls |= {e: lambda e=e, llm=llm: time_generate(llm, modules[e], reqs, device) for e, llm in llms.items()}
@@ -489,7 +482,7 @@ def measure(
     pairs = [("step5", "step4"), ("step7", "hf_static"), ("step7", "step3"), ("step7", "step5")]
     pairs += [("step8", "hf_static"), ("step8", "step7")]
     ratios |= {f"{a}/{b}": (a, b, "throughput_tok_s") for a, b in pairs if {a, b} <= set(raw)}
-    return serving.compare(raw, ratios)
+    return drivers.compare(raw, ratios)
 
 
 def figures(wall_s: float, generated: list[int]) -> dict:
@@ -504,14 +497,14 @@ def figures(wall_s: float, generated: list[int]) -> dict:
 
 
 def hf_figures(run: dict) -> dict:
-    """``figures`` of a ``serving.run_hf`` run (generate returns exactly max_tokens per row:
+    """``figures`` of a ``drivers.run_hf`` run (generate returns exactly max_tokens per row:
     min_new_tokens)."""
     return figures(run["wall_s"], [r["generated_tokens"] for r in run["requests"]])
 
 
 def time_generate(llm, module, reqs: list[workloads.Request], device: str) -> dict:
     """The requests through a step's ``LLM.generate`` in one call, timed with the device synchronised."""
-    params = [serving.params_for(module, r) for r in reqs]
+    params = [drivers.params_for(module, r) for r in reqs]
     prompts = [r.prompt_token_ids for r in reqs]
     wall, outs = harness.timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params), device)
     return figures(wall, [len(out.outputs[0].token_ids) for out in outs])
@@ -549,7 +542,7 @@ def profile_engine(engine, module, reqs: list[workloads.Request], steps: int, to
     under the profiler (inflated by it), and the ``top`` functions by own time and by cumulative time."""
     for i, r in enumerate(reqs):
         params = dataclasses.replace(
-            serving.params_for(module, r), output_kind=module.RequestOutputKind.FINAL_ONLY
+            drivers.params_for(module, r), output_kind=module.RequestOutputKind.FINAL_ONLY
         )
         engine.add_request(f"profile-{i}", r.prompt_token_ids, params)
     profiler = cProfile.Profile()
@@ -603,8 +596,9 @@ def run_dtype_study(spec: dict, device: str) -> dict:
     ``max_tokens`` greedy tokens (ignore_eos) after each of ``prompts`` prompts (``DTYPE_STUDY_PROMPTS``,
     cut or padded with the demo tokenizer's ids to ``prompt_tokens``), in the reference dtype and in each of
     ``dtypes``. Per dtype: how many outputs are identical to the reference's, the first position where each
-    other one differs, and whether GUIDE.md's tier holds there: each side's token is among the other side's
-    ``top`` most likely, by step 0's model (fp32, and cast to the dtype) on the reference's prefix."""
+    other one differs, and whether the root README's fp16 tier holds there: each side's token is among the
+    other side's ``top`` most likely, by step 0's model (fp32, and cast to the dtype) on the reference's
+    prefix."""
     module = importlib.import_module(STEP_PACKAGES[spec["engine"]])
     step0 = importlib.import_module("step0_model")
     folder = snapshot(spec["model"])

@@ -2,10 +2,9 @@
 
 Batch 1, greedy, ``ignore_eos``, prompts of random token ids from a fixed seed: a. ms per generated token
 against the tokens generated after a 16-token prompt (step1, step2, HF ``generate`` with its cache), and
-step2's median decode latency, which stays flat; b. time to first token against the prompt length (step2,
-HF); c. KV cache bytes per token, by the formula (Pope et al. 2022, "Efficiently Scaling Transformer
-Inference", section 2) and as ``step2_kvcache.KVCache`` allocates them. Details and the JSON layout:
-benchmarks/README.md.
+step2's median decode latency, which stays flat; b. time to first token against the prompt length; c. KV
+cache bytes per token, by the formula (Pope et al. 2022, "Efficiently Scaling Transformer Inference") and as
+``step2_kvcache.KVCache`` allocates them. Details and the JSON layout: benchmarks/README.md.
 
     python -m benchmarks kvcache                         # both models, 5 runs
     python -m benchmarks kvcache --model demo --quick    # one model, 1 run, shorter lengths
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from . import harness
-from .models import hf_model, snapshot
+from .lib import harness
+from .lib.models import hf_model, snapshot
 
 NAME = "kvcache"
 DEFAULT_MODELS = ["demo", "gpt2-124m-random"]
@@ -62,7 +61,7 @@ def run(
 ) -> dict:
     """Run the three workloads on each model; write ``<out_dir>/kvcache-<device>.json`` and ``.png``.
 
-    models: benchmark model names (``benchmarks.models.MODELS``) or snapshot folders. runs: measured
+    models: benchmark model names (``benchmarks.lib.models.MODELS``) or snapshot folders. runs: measured
     runs per point, after one warm-up. gen_lengths: generated tokens of workload a (each capped at the
     context window minus the 16-token prompt). ttft_prompts: prompt lengths of workload b (those that fit,
     plus the context window minus 16). step1_limits: model name -> {"max_tokens", "runs"} for step 1.

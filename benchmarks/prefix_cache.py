@@ -1,23 +1,13 @@
 """Step 9's benchmark: prefix caching on a shared-prefix workload and on one that shares nothing.
 
-Two workloads of requests arriving as a Poisson process (fixed seed), greedy, ``ignore_eos``: ``shared`` (a
-384-token system prompt every request starts with, then 32 tokens of its own) and ``unique`` (the same
-lengths and arrivals, every prompt its own); 64 requests generating 64 tokens, at 8 per second on the CPU
-(the demo checkpoint: 416 + 64 tokens fit its 512-token window) and 2,000 per second on a GPU (a burst,
-faster than step 8 prefills). Engines, alternated within each run: ``step9``
-(``step9_prefix_cache.LLMEngine``, prefix caching on) and ``step8`` (``step8_async_scheduling.LLMEngine``,
-the step before the cache: it computes every prompt token). Each run draws new token ids (the same for both
-engines), so nothing is cached from an earlier run or the warm-up: the system prompt is cold when a run
-starts. Figures: TTFT p50 and p99, throughput (generated tokens / wall time), the prefix-cache hit rate
-(tokens) and the prefill tokens computed (prompt tokens admitted - found cached, recomputation after
-preemption included).
+Requests arriving as a Poisson process, greedy, ``ignore_eos``: ``shared`` (a 384-token system prompt, then
+32 tokens of each request's own) and ``unique`` (the same lengths, nothing shared); 64 requests of 64 new
+tokens, 8 per second on the CPU, 2,000 on a GPU (a burst). ``step9`` (prefix caching on) and ``step8``
+alternate in each run, on new token ids every run, so the system prompt is cold when a run starts. Figures:
+TTFT, throughput, hit rate, prefill tokens computed. Details: benchmarks/README.md.
 
-    OMP_NUM_THREADS=1 python -m benchmarks prefix_cache   # CPU: the demo checkpoint, 3 runs (~3 min)
+    OMP_NUM_THREADS=1 python -m benchmarks prefix_cache   # CPU: the demo checkpoint, 3 runs
     python -m benchmarks prefix_cache --device cuda      # GPT-2 124M shapes, random weights, fp16
-
-On a CPU shared with other work, torch's two threads wait for each other at every operation (one small
-attention took 62 ms instead of 0.5 ms on this 2-core machine while other processes ran): one thread
-measures the engines, not the scheduler of the machine; the JSON records ``torch_threads``.
 """
 
 from __future__ import annotations
@@ -26,10 +16,10 @@ import random
 import time
 from pathlib import Path
 
-from . import harness, serving
-from .models import snapshot
-from .server import poisson
-from .workloads import Request
+from .lib import drivers, harness
+from .lib.load import poisson
+from .lib.models import snapshot
+from .lib.workloads import Request
 
 NAME = "prefix_cache"
 DEFAULT_MODELS = ["demo"]  # on cuda: gpt2-124m-random (see main)
@@ -145,14 +135,14 @@ def bench_model(
     out = {"snapshot": str(folder), "config": {"n_positions": engines["step9"].config.n_positions}}
     for kind in ("shared", "unique"):
         print(f"  {kind}: {num_requests} requests, {rate}/s", flush=True)
-        warm = serving.warmup_requests(workload(kind, -1, vocab, 8, max_tokens, rate))
+        warm = drivers.warmup_requests(workload(kind, -1, vocab, 8, max_tokens, rate))
         calls = {}
         for engine_name, engine in engines.items():
             mod = module if engine_name == "step9" else step8_async_scheduling  # its own SamplingParams
-            serving.run_step4(engine, mod, warm, device)
+            drivers.run_step4(engine, mod, warm, device)
             calls[engine_name] = measured(engine, mod, kind, vocab, num_requests, max_tokens, rate, device)
         raw = harness.alternate(calls, runs, warmup=0)
-        out[kind] = serving.compare(
+        out[kind] = drivers.compare(
             raw,
             {
                 "step8/step9 ttft p50": ("step8", "step9", "ttft_p50_s"),
@@ -172,7 +162,7 @@ def measured(engine, module, kind: str, vocab: int, num_requests: int, max_token
     def call() -> dict:
         requests = workload(kind, next(count), vocab, num_requests, max_tokens, rate)
         before = engine.stats
-        figures = serving.summarise(serving.run_step4(engine, module, requests, device))
+        figures = drivers.summarise(drivers.run_step4(engine, module, requests, device))
         after = engine.stats
         if hasattr(after, "prefix_cache_queries"):
             queries = after.prefix_cache_queries - before.prefix_cache_queries

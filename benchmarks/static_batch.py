@@ -1,13 +1,12 @@
 """Step 3's benchmark: what static batching buys over one request at a time, and what it wastes.
 
-Greedy, ``ignore_eos``, fp32, prompts of random token ids from fixed seeds. Engines: ``step2`` (one
-request after another), ``step3`` (static batches in arrival order, each running until its longest member
-finishes), ``hf`` (transformers generate on the same static batches). a. B equal requests (32 + 64
-tokens) at once, B = 1 to 32: throughput; b. the ``mixed`` workload at batch size 8: throughput, latency,
-and computed over requested positions (padding and finished rows: the price of static batching). Details
-and the JSON layout: benchmarks/README.md.
+Greedy, ``ignore_eos``, fp32, prompts of random token ids from fixed seeds. Engines: ``step2`` (one request
+after another), ``step3`` (static batches in arrival order, each running until its longest member finishes),
+``hf`` (generate on the same batches). a. B equal requests (32 + 64 tokens) at once, B = 1 to 32: throughput;
+b. ``mixed`` at batch size 8: throughput, latency, and computed over requested positions (padding and
+finished rows: the price of static batching). Details and the JSON layout: benchmarks/README.md.
 
-    python -m benchmarks static_batch                         # gpt2-124m-random, 3 runs (14 min on 2 cores)
+    python -m benchmarks static_batch                         # gpt2-124m-random, 3 runs
     python -m benchmarks static_batch --model demo --quick    # 1 run, fewer and shorter requests
 """
 
@@ -16,8 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import harness, serving, workloads
-from .models import hf_model, snapshot
+from .lib import drivers, harness, workloads
+from .lib.models import hf_model, snapshot
 
 NAME = "static_batch"
 DEFAULT_MODELS = ["gpt2-124m-random"]
@@ -158,11 +157,11 @@ def bench_model(
 
     def engines(reqs: list[workloads.Request], batch_size: int, step2_reqs: list[workloads.Request]) -> dict:
         return {
-            "step2": lambda: serving.summarise(serving.run_step2(step2, step2_kvcache, step2_reqs, device)),
-            "step3": lambda: serving.summarise(
-                serving.run_step3(step3, step3_static_batch, reqs, batch_size, device)
+            "step2": lambda: drivers.summarise(drivers.run_step2(step2, step2_kvcache, step2_reqs, device)),
+            "step3": lambda: drivers.summarise(
+                drivers.run_step3(step3, step3_static_batch, reqs, batch_size, device)
             ),
-            "hf": lambda: serving.summarise(serving.run_hf(hf, reqs, batch_size, device)),
+            "hf": lambda: drivers.summarise(drivers.run_hf(hf, reqs, batch_size, device)),
         }
 
     throughput_ratios = {
@@ -178,19 +177,19 @@ def bench_model(
         equal = workloads.equal(b, equal_prompt_tokens, equal_max_tokens, EQUAL_TOKEN_ID_SEED)
         reqs = workloads.requests(equal, config.vocab_size, config.n_positions)
         step2_reqs = reqs[:step2_max_requests]
-        warm = serving.warmup_requests(reqs, max_tokens=WARMUP_TOKENS)
-        serving.warm_up(engines(warm, b, warm[:step2_max_requests]))
+        warm = drivers.warmup_requests(reqs, max_tokens=WARMUP_TOKENS)
+        drivers.warm_up(engines(warm, b, warm[:step2_max_requests]))
         raw = harness.alternate(engines(reqs, b, step2_reqs), runs, warmup=0)
-        point = serving.compare(raw, throughput_ratios, keep_records=False)
+        point = drivers.compare(raw, throughput_ratios, keep_records=False)
         sweep.append({"batch_size": b, "requests": {"step2": len(step2_reqs), "step3": b, "hf": b}, **point})
 
     # b. the mixed workload in static batches of mixed_batch_size
     print(f"  mixed workload: {len(mixed['requests'])} requests, batches of {mixed_batch_size}", flush=True)
     reqs = workloads.requests(mixed, config.vocab_size, config.n_positions)
-    warm = serving.warmup_requests(reqs, mixed_batch_size, WARMUP_TOKENS)
-    serving.warm_up(engines(warm, mixed_batch_size, warm))
+    warm = drivers.warmup_requests(reqs, mixed_batch_size, WARMUP_TOKENS)
+    drivers.warm_up(engines(warm, mixed_batch_size, warm))
     raw = harness.alternate(engines(reqs, mixed_batch_size, reqs), runs, warmup=0)
-    mixed_point = serving.compare(
+    mixed_point = drivers.compare(
         raw,
         {
             **throughput_ratios,

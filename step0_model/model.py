@@ -1,11 +1,7 @@
 """GPT-2, the forward pass, in plain PyTorch.
 
-The architecture of Radford et al. 2019, "Language Models are Unsupervised Multitask Learners":
-token + position embeddings, a stack of pre-LayerNorm transformer blocks (causal multi-head
-self-attention, then a tanh-GELU MLP, each added back to the residual stream), a final LayerNorm, and
-an LM head that reuses the token embedding matrix. The module names match Hugging Face's GPT-2
-(``h.0.attn.c_attn`` ...), so that loading a checkpoint is a rename and a transpose, shown in
-``GPT.load_hf_weights``.
+Radford et al. 2019, "Language Models are Unsupervised Multitask Learners": embeddings, pre-LayerNorm blocks
+(causal self-attention, then a tanh-GELU MLP, each added to the residual), a final LayerNorm, a tied LM head.
 
 Shapes: B batch, T tokens, C = n_embd, H = n_head, D = C / H head size, V = vocab_size.
 """

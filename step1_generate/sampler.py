@@ -1,16 +1,13 @@
 """The sampler: one request's row of logits in, its next token out, by the request's ``SamplingParams``.
 
-This step decodes one request at a time, so ``sample`` takes one row, [V], and runs the stages in the
-order Hugging Face ``generate`` and vLLM use:
+One row, [V], per call, the stages in Hugging Face ``generate``'s and vLLM's order (a filter sets a removed
+token's logit to -inf, so the draw and the reported logprobs see only the tokens that survive):
 
     penalties    repetition (CTRL), then frequency and presence (OpenAI)   when set
     greedy       argmax                                                    temperature < 1e-5
     temperature  logits / T                                                the other (sampled) requests
     filters      top-k, then top-p, then min-p                             when set
     draw         the exponential race (a categorical draw)                 from the request's generator
-
-A filter removes a token by setting its logit to -inf, so the draw and the reported logprobs see only
-the tokens that survive.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The model runner: one step's sequences in, their next tokens out (vLLM's name).
 
-It turns the sequences that run in this step into the model's input tensors, runs the forward pass,
-and samples one token per sequence from the logits. This step keeps a KV cache: the prompt goes through
-the model once (prefill), filling the cache, and every later forward pass takes only the newest token
-(decode), reading the others' keys and values from the cache. Generating n tokens after a prompt of p
-tokens costs p + n token positions instead of step 1's p + (p+1) + ... + (p+n-1).
+It turns the sequences of this step into the model's input tensors, runs the forward pass and samples one
+token per sequence. With a KV cache the prompt goes through the model once (prefill) and every later pass
+takes only the newest token (decode): n tokens after a p-token prompt cost p + n positions, not step 1's
+p + (p+1) + ... + (p+n-1).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """GPT-2, the forward pass, in plain PyTorch.
 
-The architecture of Radford et al. 2019, "Language Models are Unsupervised Multitask Learners":
-token + position embeddings, a stack of pre-LayerNorm transformer blocks (causal multi-head
-self-attention, then a tanh-GELU MLP, each added back to the residual stream), a final LayerNorm, and
-an LM head that reuses the token embedding matrix. The module names match Hugging Face's GPT-2
-(``h.0.attn.c_attn`` ...), so that loading a checkpoint is a rename and a transpose, shown in
-``GPT.load_hf_weights``.
+Radford et al. 2019, "Language Models are Unsupervised Multitask Learners": embeddings, pre-LayerNorm blocks
+(causal self-attention, then a tanh-GELU MLP, each added to the residual), a final LayerNorm, a tied LM head.
 
-With a ``KVCache`` the forward pass takes only the new tokens: their positions continue after the cached
-ones, and attention reads the cached keys and values (prefill: the whole prompt; decode: one token).
-
-A batch of prompts of different lengths is left-padded to a rectangle: row b starts with num_pads[b]
-padding tokens. Each row's positions start at 0 at its first real token, and an attention mask hides
-every padding position from every query, so each row computes what it would compute alone.
-
+With a ``KVCache`` it takes only the new tokens: their positions continue after the cached ones, and
+attention reads the cached keys and values (prefill: the whole prompt; decode: one token). A batch is
+left-padded: row b starts with num_pads[b] pads, its positions start at 0 at its first real token, and a
+mask hides every pad from every query, so each row computes what it would compute alone.
 Shapes: B batch, T tokens, C = n_embd, H = n_head, D = C / H head size, V = vocab_size.
 """
 

@@ -1,14 +1,13 @@
 """The model runner: one step's sequences in, their next tokens out (vLLM's name).
 
-It turns the sequences that run in this step into the model's input tensors, runs the forward pass,
-and samples one token per sequence from the logits. This step keeps a KV cache: the prompt goes through
-the model once (prefill), filling the cache, and every later forward pass takes only the newest token
-(decode), reading the others' keys and values from the cache. Generating n tokens after a prompt of p
-tokens costs p + n token positions instead of step 1's p + (p+1) + ... + (p+n-1).
+It turns the sequences of this step into the model's input tensors, runs the forward pass and samples one
+token per sequence. With a KV cache the prompt goes through the model once (prefill) and every later pass
+takes only the newest token (decode): n tokens after a p-token prompt cost p + n positions, not step 1's
+p + (p+1) + ... + (p+n-1).
 
-Static batching: the sequences of a batch run together, one row each. Their prompts are left-padded to
-the longest one (the model masks the padding out), and the batch keeps its rows until the last one
-has finished: a finished row still feeds its last token, computed for nothing.
+Static batching: a batch's sequences run together, one row each, prompts left-padded to the longest (the
+model masks the padding out); the batch keeps its rows until the last one finishes, a finished row still
+feeding its last token, computed for nothing.
 """
 
 from __future__ import annotations

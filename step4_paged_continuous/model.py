@@ -1,21 +1,13 @@
 """GPT-2, the forward pass, in plain PyTorch.
 
-The architecture of Radford et al. 2019, "Language Models are Unsupervised Multitask Learners":
-token + position embeddings, a stack of pre-LayerNorm transformer blocks (causal multi-head
-self-attention, then a tanh-GELU MLP, each added back to the residual stream), a final LayerNorm, and
-an LM head that reuses the token embedding matrix. The module names match Hugging Face's GPT-2
-(``h.0.attn.c_attn`` ...), so that loading a checkpoint is a rename and a transpose, shown in
-``GPT.load_hf_weights``.
+Radford et al. 2019, "Language Models are Unsupervised Multitask Learners": embeddings, pre-LayerNorm blocks
+(causal self-attention, then a tanh-GELU MLP, each added to the residual), a final LayerNorm, a tied LM head.
 
-The forward pass takes one flattened batch of N new tokens from S sequences at once: the whole prompt
-of sequences starting now (prefill) and the newest token of every running sequence (decode), with no
-padding. Each token carries its own position; the new keys and values go into the paged KV cache at
-the slots the engine chose, and attention reads each sequence's keys and values back through its
-block table (plain PyTorch here: a gather, then scaled dot-product attention; step 5 fuses this into
-a GPU kernel). Only the last token of each sequence gets logits: the next token is sampled from them.
-
-Shapes: N tokens in the batch, S sequences, T tokens of one sequence, L its length, C = n_embd,
-H = n_head, D = C / H head size, V = vocab_size.
+A flattened batch of N new tokens of S sequences, no padding (new prompts, the running sequences' newest
+tokens): keys and values go to the paged KV cache at the engine's slots; attention reads each sequence's back
+through its block table (a gather, then scaled dot-product attention); only each sequence's last token gets
+logits.
+Shapes: N tokens, S sequences, T tokens of one, L its length, C = n_embd, H = n_head, D = C / H, V vocab.
 """
 
 from __future__ import annotations

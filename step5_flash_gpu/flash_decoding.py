@@ -1,16 +1,11 @@
-"""Flash-decoding (split-K): an exercise beyond GPT-2's window.
-
-The engine does not import this module, and nothing here is compiled at its start-up.
+"""Flash-decoding (split-K): an exercise beyond GPT-2's window; no engine imports this module.
 
 kernels.py runs a program per (query tile, head): a batch of few decodes gives S x H programs, 12 for one
 GPT-2 sequence on an H200's 132 SMs, each walking all of its sequence's keys alone. Flash-decoding (Dao,
 Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference") splits each decode's keys across
 NUM_SPLITS programs that each write a partial softmax (max, sum, weighted values), then merges them in a
-second, small kernel. It pays only for long contexts, measured on an H200
-(benchmarks/results/attention-cuda.json): 8 decodes x 4,096 tokens took 55 us with 16 splits against
-119 us with 2 and 113 us unsplit, while below about 2,048 tokens the second launch costs more than it
-saves (1 x 512: 56 us with 2 splits, 18 us unsplit). GPT-2's window is 1,024 tokens, so its engine
-never splits.
+second, small kernel. It pays only for long contexts, from about 2,048 tokens (step 5's README has the
+measurements); GPT-2's window is 1,024 tokens, so its engine never splits.
 
 Shapes as in kernels.py: N new tokens, S sequences, H heads, D head size, L a sequence's length.
 """
@@ -229,10 +224,9 @@ def choose_num_splits(
 
     Only all-decode batches split, into the most of ``SPLIT_COUNTS`` that leaves each split at least
     ``SPLIT_MIN_KEYS`` keys: each count is a kernel of its own (a compile-time constant), so a growing
-    context compiles 2 of them, not one per 256 tokens. Tuned on an H200
-    (benchmarks/results/attention-cuda.json): below ~2,048 tokens the split path's second launch costs
-    more than it saves (1 x 512: 56 us with 2 splits, 18 us plain), and where it pays, more splits pay more
-    (8 x 4,096: 55 us with 16 splits, 119 us with 2, 113 us plain). GPT-2's 1,024-token window never splits.
+    context compiles 2 of them, not one per 256 tokens. Tuned on an H200 (step 5's README): below ~2,048
+    tokens the split path's second launch costs more than it saves, and where it pays, more splits pay
+    more. GPT-2's 1,024-token window never splits.
     """
     fitting = [n for n in SPLIT_COUNTS if n * SPLIT_MIN_KEYS <= max_kv_len]
     if max_query_len != 1 or num_seqs * num_heads >= _num_sms(device) or not fitting:

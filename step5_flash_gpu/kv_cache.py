@@ -1,17 +1,13 @@
 """The paged KV cache: one pool of fixed-size blocks per layer, shared by every sequence.
 
-Instead of one contiguous buffer per sequence sized for its longest possible length (step 3), the
-cache is cut into blocks of ``block_size`` tokens, and a sequence holds a list of blocks (its block
-table), taken one at a time as it grows (Kwon et al. 2023, "Efficient Memory Management for Large
-Language Model Serving with PagedAttention", SOSP). A token at position p of a sequence lives in
-block ``block_table[p // block_size]`` at offset ``p % block_size``; the flat index of that place,
-``block * block_size + offset``, is its *slot*. The engine computes the slots of the new tokens of a
-step (the slot mapping); the model writes their keys and values there and reads every sequence's
-keys and values back through its block table. Which blocks are free and who owns what is the
-``BlockManager``'s business, not this pool's.
-
-Memory: 2 (K and V) x n_layer x n_head x head_dim x bytes per element, per token, as in step 2, but
-only for the blocks in use: at most block_size - 1 slots are wasted per sequence (its last block).
+Instead of one buffer per sequence sized for its longest length (step 3), a sequence holds a list of blocks
+of ``block_size`` tokens (its block table), taken one at a time as it grows (Kwon et al. 2023, "Efficient
+Memory Management for Large Language Model Serving with PagedAttention", SOSP). Position p lives in block
+``block_table[p // block_size]`` at offset ``p % block_size``: its *slot* is ``block * block_size + offset``.
+The model writes a step's keys and values at their slots (the slot mapping) and reads each sequence's back
+through its block table; who owns which block is the ``BlockManager``'s business. Memory per token: 2 x
+n_layer x n_head x head_dim x bytes per element, as in step 2, for the blocks in use only (at most
+block_size - 1 slots wasted per sequence).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 ``write_kv`` stores the new tokens' keys and values into one layer's pool as one kernel for K and V. The
 engine writes them by indexing (``PagedKVCache.write``), which was faster on the H200 below about 2,048
-new tokens per step (1 token: 11.5 us against 28.6 us; 8,192 tokens: 65.5 us against 28.5 us;
-benchmarks/results/attention-cuda.json), more than GPT-2's steps carry.
+new tokens per step (step 5's README has the measurements), more than GPT-2's steps carry.
 
 Shapes as in kernels.py: N new tokens, H heads, D head size.
 """

@@ -1,16 +1,13 @@
 """The model runner: one step's sequences in, their next tokens out (vLLM's name).
 
-It turns the sequences that run in this step into the model's input tensors, runs the forward pass,
-and samples one token per sequence from the logits. This step keeps a KV cache: the prompt goes through
-the model once (prefill), filling the cache, and every later forward pass takes only the newest token
-(decode), reading the others' keys and values from the cache. Generating n tokens after a prompt of p
-tokens costs p + n token positions instead of step 1's p + (p+1) + ... + (p+n-1).
+It turns the sequences of this step into the model's input tensors, runs the forward pass and samples one
+token per sequence. With a KV cache the prompt goes through the model once (prefill) and every later pass
+takes only the newest token (decode): n tokens after a p-token prompt cost p + n positions, not step 1's
+p + (p+1) + ... + (p+n-1).
 
-Continuous batching over a paged KV cache: the sequences of a step are flattened into one batch of
-new tokens, with no padding: a whole prompt for each sequence that starts (or restarts after
-preemption), the newest token of each one that is decoding. Each token carries its position and the
-cache slot its key and value go to (the slot mapping); the decodes carry their block tables, through
-which attention reads their cached keys and values.
+Continuous batching over a paged KV cache: one flat batch of new tokens per step, no padding (the whole
+prompts of sequences that start or restart, each decoding one's newest token), each with its position and
+cache slot (the slot mapping); the decodes carry the block tables that attention reads their cache through.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Step 5 kernel tests: the Triton kernel of kernels.py gives the plain PyTorch reference's output.
 
 The reference (``paged_attention_reference``) gathers each sequence's blocks and runs textbook causal
-attention in fp32. The kernel must match it for every head (each head's values are offset differently, so
-a head mix-up shows), head sizes that are and are not powers of two, block sizes 8/16/32, lengths around
-a block boundary (1, block_size - 1, block_size, block_size + 1, longer), block tables drawn at random from
-a larger pool, one batch mixing prefills (with and without cached context) and decodes, and batches of
-decodes only. Tolerances: fp32 1e-4, fp16 1e-2 (GUIDE.md). The exercise module flash_decoding.py is
-tested in test_flash_decoding.py, with this file's helpers.
-
-Without CUDA the small cases run through Triton's interpreter, which must be switched on before the
-process first imports triton (see kernels.py): this file does so when it is the first to import it. When
-another test module imported triton earlier (transformers does), the small cases rerun in a fresh process.
-With CUDA the same small cases run compiled, and the ``gpu`` tests add real sizes.
+attention in fp32. The kernel matches it for every head (offset differently, so a mix-up shows), head sizes
+that are and are not powers of two, block sizes 8/16/32, lengths around a block boundary, random block
+tables, batches mixing prefills (with and without cached context) and decodes, and decodes only, within
+fp32 1e-4 and fp16 1e-2 (the root README's parity tiers); test_flash_decoding.py reuses its helpers.
+Without CUDA the small cases run through Triton's interpreter, which must be on before the process first
+imports triton (kernels.py): this file turns it on, or reruns them in a fresh process if triton came first;
+with CUDA they run compiled, and the ``gpu`` tests add real sizes.
 """
 
 from __future__ import annotations

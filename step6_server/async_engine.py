@@ -1,21 +1,13 @@
 """The engine loop: one thread owns the engine; HTTP handlers talk to it through an inbox and asyncio queues.
 
-Step 5's ``LLMEngine`` serves one caller that owns it: ``add_request``, then ``step()`` in a loop. A server
-has many callers at once, each on its own HTTP connection, and ``step()`` is not thread-safe. So:
+``step()`` is not thread-safe and many HTTP connections call at once, so one thread, the *engine loop*
+(``AsyncEngine``), owns the engine: it steps while any request is unfinished, sleeps on a ``threading.Event``
+otherwise, and adds requests and aborts from a locked *inbox* between two steps, so that they join one
+continuous batch. After every step it hands each request's ``DELTA`` outputs to the event loop with one
+``loop.call_soon_threadsafe``, into the request's ``RequestStream`` (an ``asyncio.Queue``); closing the
+stream aborts the request, whose KV blocks are freed before the next step.
 
-- one thread, the *engine loop* (``AsyncEngine``), owns the engine. It steps while any request is
-  unfinished and sleeps on a ``threading.Event`` when there is none (no busy loop). Requests reach it
-  through a locked *inbox*; the loop adds them (and aborts) itself, between two steps, so concurrent HTTP
-  requests join the same continuous batch.
-- each HTTP request gets an ``asyncio.Queue``; after every step the loop thread hands each request's new
-  ``RequestOutput`` (``RequestOutputKind.DELTA``: only the new text and ids) to the event loop with one
-  ``loop.call_soon_threadsafe`` per step, and the handler reads them from its ``RequestStream``.
-- a client that goes away has its request aborted at once: closing the ``RequestStream`` (or cancelling
-  its iteration) puts an abort into the inbox, and the loop frees the request's KV blocks before its next
-  step.
-
-Source: vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``): an output handler feeding one queue per
-request; Yu et al. 2022, "Orca" (OSDI): requests join and leave between iterations.
+Sources: vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``); Yu et al. 2022, "Orca" (OSDI).
 """
 
 from __future__ import annotations

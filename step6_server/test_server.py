@@ -6,9 +6,8 @@
   disconnect have their requests aborted at once, so the KV cache ends empty and the server healthy.
 - Bad input never reaches the engine: every malformed or out-of-range field is a 400 naming it (and
   401, 404, 413, 429, 503 where they apply) with OpenAI's error body.
-- /health, /metrics (vLLM's names), and the web page in a real headless Chromium.
-
-The servers run in this process (uvicorn in a thread, on a free loopback port); nothing leaves 127.0.0.1.
+- /health, /metrics (vLLM's names), and the web page in a real headless Chromium. The servers run in this
+  process (uvicorn in a thread, on a free loopback port); nothing leaves 127.0.0.1.
 """
 
 from __future__ import annotations

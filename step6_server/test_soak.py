@@ -1,19 +1,12 @@
 """Step 6 soak test: 1,000 requests through a real server, a fifth of the clients leaving at random points.
 
-- uvicorn serves the app in a thread on a free 127.0.0.1 port: a real socket, so that a client leaving is a
-  real TCP close (FIN) or reset (RST). ``max_num_seqs`` is 4, so a queue forms behind the running batch,
-  and the KV pool is small (8 blocks), so some running requests are preempted; 32 clients send at once,
-  each its next request as soon as its last one is over.
-- The plan is drawn from a fixed seed: completions (one prompt or two) and chat, streamed and whole, n of
-  1 to 3, 4 to 12 tokens, greedy or (a few) seeded sampling. A fifth of the requests leave: half-way
-  through sending the body, before the server answers, after the headers (before the first token: most
-  are still queued), in mid-stream, or while a whole answer is being made.
-- Afterwards: nothing runs, waits or holds a KV block (``/v1/engine/stats``, ``/metrics``, then the engine
-  itself once stopped); every completed response equals its solo output from the in-process ``LLM``
-  (a partial stream is a prefix of it); requests were aborted while queued; no 500, no error event and no
-  error logged; and the server still answers ``/health`` and one more request.
-
-Run it with ``pytest -m slow step6_server -k soak``. Waits are bounded (a hang fails), never asserted on.
+uvicorn serves the app in a thread on a free 127.0.0.1 port (a client leaving is a real FIN or RST);
+``max_num_seqs`` 4 and 8 KV blocks make a queue and preemptions; 32 clients send at once. The seeded plan:
+completions and chat, streamed and whole, n of 1 to 3, 4 to 12 tokens, greedy or seeded; a fifth leave
+(mid-body, before the answer, after the headers, mid-stream, during a whole answer). Afterwards nothing
+runs, waits or holds a KV block; every completed response equals its solo ``LLM`` output (a partial
+stream is a prefix of it); no 500, error event or error log; the server still answers. Run it with
+``pytest -m slow step6_server -k soak``. Waits are bounded (a hang fails), never asserted on.
 """
 
 from __future__ import annotations
@@ -418,7 +411,7 @@ def wait_until(condition, timeout_s: float = 60.0) -> bool:
 @pytest.fixture
 def one_torch_thread():
     """One intra-op thread for the soak (the server's engine loop and the oracle), restored after: on 2
-    shared cores, two OpenMP threads that spin-wait for each other make a step some 30x slower under load."""
+    shared cores, two OpenMP threads that spin-wait for each other make a step far slower under load."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

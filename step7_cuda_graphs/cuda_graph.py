@@ -1,22 +1,13 @@
 """CUDA graphs: the decode step's forward pass captured once per batch size, then replayed.
 
-A decode step of GPT-2 124M launches about 160 kernels (per layer: two LayerNorms, four matmuls with their
-bias adds, the KV write, attention, GELU, two residual adds; then the LM head), each a few microseconds of
-GPU work at small batches. Launched one by one from Python, each costs more host time than GPU time, so
-the GPU idles between them: on an H200 the eager forward took 4.59 ms at batch 1 where its kernels ran
-0.51 ms. A CUDA graph records the launches once (stream capture) and replays them with one call: 0.60 ms.
-
-A graph replays fixed kernels on fixed addresses: its inputs must live in persistent buffers
-(input_batch.py), and its shapes are frozen, so one graph is captured per batch size of a ladder
-(``capture_sizes``: vLLM's shape, 1, 2, 4, 8 then every ``CAPTURE_STEP``) and a batch is padded up to the
-next rung. Sequence lengths and block tables are data, read by the attention kernel at run time, so one
-graph serves every context length. Only decode-only steps replay (a prefill's token count varies too much
-to capture); the sampler runs outside, eagerly. The graphs are captured largest first into one shared
-memory pool (``torch.cuda.graph_pool_handle``): they never run at once, so each smaller graph reuses the
-memory of the larger ones' intermediates, and all of them write their logits into one shared buffer.
-
-Sources: PyTorch's "CUDA Graphs" notes (torch.cuda.graph, warm-up on a side stream, pools); nano-vllm's
-``ModelRunner.capture_cudagraph``; vLLM's ``CudagraphDispatcher`` and cudagraph capture sizes.
+A decode step of GPT-2 124M launches about 160 small kernels, each costing the host more time to launch from
+Python than the GPU to run; a CUDA graph records them once (stream capture) and replays them with one call
+(step 7's README has the timings). It replays fixed kernels on fixed addresses, so its inputs live in
+persistent buffers (input_batch.py) and one graph is captured per batch size of a ladder (``capture_sizes``:
+vLLM's, 1, 2, 4, 8, then every ``CAPTURE_STEP``) that a batch is padded up to; lengths and block tables are
+data, so one graph serves every context length. Only decode-only steps replay; the sampler runs outside.
+Graphs are captured largest first into one memory pool and share one logits buffer. Sources: PyTorch's "CUDA
+Graphs" notes; nano-vllm's ``capture_cudagraph``; vLLM's ``CudagraphDispatcher``.
 """
 
 from __future__ import annotations

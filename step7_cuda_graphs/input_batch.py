@@ -1,28 +1,10 @@
 """Persistent input buffers: the model's inputs live in tensors allocated once and updated in place.
 
-Step 6 rebuilt every input of a step from Python lists: each sequence's token, position and slot, and every
-block table, padded to the batch's widest and copied as a new tensor (1.43 ms at 256 sequences on an H200's
-host, 2.85 ms with 512-token prompts, whose tables are longer). A CUDA graph needs more than speed from its
-inputs: it replays fixed addresses, so every input must sit in a tensor that outlives the capture.
-
-Here (vLLM v1's persistent batch: ``InputBatch``, ``BlockTable``, ``CpuGpuBuffer``) every input lives in one
-int64 buffer allocated once at its largest size, twice: on the host (pinned on a CUDA machine, written
-through a numpy view) and on the device. Each running sequence owns a *row* of a persistent block table;
-the row is written when the sequence joins (its prefill) and one entry at a time when it gains a block,
-never rebuilt. Per step the host writes only the flat per-token fields of the batch's lanes (token id,
-position, slot, sequence length, row), and one host-to-device copy moves the buffer's used prefix. The
-device gathers each lane's block-table row itself.
-
-A decode-only batch of S sequences is padded to ``num_lanes`` >= S lanes (the CUDA graph's batch size).
-A padding lane owns nothing: token 0 at position 0, writing its key and value to the scratch slot (a block
-the block manager never hands out), attending over length 1 (that one key: a softmax of one finite score
-cannot be NaN), reading block-table row ``PADDING_ROW`` (every entry the scratch block); its logits are
-dropped by the runner.
-
-The host writes the buffer again only after the step's sampled ids came back, so the previous step's
-copy out of it has finished (the sampler's read of the ids waits for the device): one buffer suffices.
-
-Shapes: T = max tokens in a step, R = max sequences (rows), M = max blocks per sequence.
+One int64 buffer, allocated once, holds every input of a step, on the host (pinned with CUDA, a numpy view)
+and on the device, for a CUDA graph replays fixed addresses (vLLM v1's persistent batch). A running sequence
+owns a *row* of a persistent block table, written when it joins and at each new block; per step the host
+writes the lanes' fields, one copy moves them. Padding lanes own nothing (token 0 at position 0, the scratch
+slot, length 1, ``PADDING_ROW``). Shapes: T tokens a step, R rows, M blocks a row.
 """
 
 from __future__ import annotations

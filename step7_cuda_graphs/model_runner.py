@@ -1,22 +1,9 @@
 """The model runner: one step's sequences in, their next tokens out (vLLM's name).
 
-It turns the sequences that run in this step into the model's input tensors, runs the forward pass,
-and samples one token per sequence from the logits. This step keeps a KV cache: the prompt goes through
-the model once (prefill), filling the cache, and every later forward pass takes only the newest token
-(decode), reading the others' keys and values from the cache. Generating n tokens after a prompt of p
-tokens costs p + n token positions instead of step 1's p + (p+1) + ... + (p+n-1).
-
-Continuous batching over a paged KV cache: the sequences of a step are flattened into one batch of
-new tokens, with no padding: a whole prompt for each sequence that starts (or restarts after
-preemption), the newest token of each one that is decoding. Each token carries its position and the
-cache slot its key and value go to (the slot mapping); the decodes carry their block tables, through
-which attention reads their cached keys and values.
-
-CUDA graphs (cuda_graph.py) over persistent input buffers (input_batch.py): the inputs live in buffers
-allocated once, which the host updates in place and copies to the device in one copy per step. A
-decode-only step is padded to the next batch size of the capture ladder and, on a CUDA device, replays that
-size's captured graph; without graphs (a CPU, or ``enforce_eager``) the same padded pass runs eagerly. A
-step that carries prefill tokens runs eagerly, unpadded.
+A step's sequences are one flat batch of new tokens over the paged KV cache (starting prompts, decoding
+sequences' newest tokens), its inputs in persistent buffers copied once per step (input_batch.py). A
+decode-only step is padded to a rung of the capture ladder and replays its CUDA graph (cuda_graph.py), or the
+same padded pass eagerly (a CPU, ``enforce_eager``); prefill steps run eagerly.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """What the two endpoints share: the entrance checks that need the model, and how an answer leaves.
 
-``OpenAIServing`` holds the handlers' state (the engine loop, the tokenizer, the context window, the
-served name). Every check that needs the model happens here, before anything reaches the engine: the
-model name (404), token ids against the vocabulary, prompt + ``max_tokens`` against the context window,
-and ``SamplingParams``' own ``ValueError`` (400). An answer leaves either whole (``collect``: a JSON body,
-the work cancelled if the client disconnects, as vLLM's ``with_cancellation``) or as Server-Sent Events
-(``event_stream``); after a stream has started, an error is one ``data: {"error": ...}`` event followed
-by ``data: [DONE]``.
-
-Sources: vLLM's ``vllm/entrypoints/openai/serving_engine.py`` and ``vllm/entrypoints/utils.py``
-(``with_cancellation``); the SSE format of the WHATWG HTML standard ("Server-sent events").
+``OpenAIServing`` holds the handlers' state (the engine loop, the tokenizer, the context window, the served
+name). Every check that needs the model happens here, before anything reaches the engine: the model name
+(404), token ids against the vocabulary, prompt + ``max_tokens`` against the context window, and
+``SamplingParams``' own ``ValueError`` (400). An answer leaves whole (``collect``: a JSON body, the work
+cancelled if the client disconnects, as vLLM's ``with_cancellation``) or as Server-Sent Events
+(``event_stream``), where an error after the start is one ``data: {"error": ...}`` event, then
+``data: [DONE]``. Sources: vLLM's ``vllm/entrypoints/openai/serving_engine.py``, the WHATWG HTML
+standard's Server-sent events.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Step 8 tests: with async scheduling the outputs are step 7's, exactly, and no KV block is left behind.
 
-On a CPU the overlap path runs as on a GPU, with synchronous copies (``async_scheduling=True``): step N is
-scheduled and launched before step N-1's tokens are read, decode lanes take their input ids on the device.
-Every output equals step 7's (the oracle): greedy and seeded sampling, stop strings and stop tokens,
+On a CPU the overlap path runs as on a GPU, with synchronous copies (``async_scheduling=True``). Every
+output equals step 7's (the oracle): greedy and seeded sampling, stop strings and stop tokens,
 max_tokens = 1, logprobs, penalties (the synchronous exception), streams, aborts mid-run, preemption,
-requests arriving mid-run, in the engine and through the server. A sequence that finishes when its next
-token would need a new block gets that block for the step in flight and gives it back; random runs with
-aborts and preemption end with every block free. With CUDA (``gpu`` tests): fp16 greedy ids equal step 7's,
-and a decode step never blocks on a stream or a copy: its only waits are on the events of step N-1's
-sampled ids and of the input copy.
+requests arriving mid-run, in the engine and through the server; a sequence that finishes when its next
+token would need a new block gives that block back; random runs with aborts and preemption end with every
+block free. With CUDA (``gpu`` tests): fp16 greedy ids equal step 7's, and a decode step's only waits are
+on the events of step N-1's sampled ids and of the input copy.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The engine: ``LLMEngine`` takes requests and advances them one step at a time (vLLM's names).
 
-Every ``step`` picks the requests to run, hands them to the ``ModelRunner`` (one forward pass, one
-sampled token each), appends the tokens to their sequences, and returns the outputs that are due.
-Continuous batching over a paged KV cache: every step asks the ``Scheduler`` which requests run,
-the ``ModelRunner`` runs them as one flattened batch (whole prompts for requests that start, one token
-for requests that are decoding), and finished requests are retired at once, giving their cache blocks
-back. Requests join and leave between any two steps, so there is neither padding nor a finished row
-that keeps computing, and the KV cache holds only the blocks that requests actually use. With prefix
-caching a request starts from the blocks of its prompt that earlier requests computed, and a request of n
-choices runs its prompt once. ``LLM`` (llm.py) sits on top.
+Continuous batching over a paged KV cache: every ``step`` asks the ``Scheduler`` which requests run (from
+the prompt blocks found in the prefix cache; n choices share one prefill), the ``ModelRunner`` runs them as
+one flat batch, finished requests retire at once. ``LLM`` (llm.py) sits on top.
 
-Async scheduling (step 8; vLLM's ``async_scheduling``, SGLang's overlap scheduler): a serial step leaves
-the GPU idle while the host schedules, prepares the inputs, reads the sampled ids back, appends them and
-applies the stop rules. Here ``step`` N schedules and launches step N first, and only then waits for step
-N-1's tokens and processes them, while the GPU runs step N. Step N is scheduled before the host knows step
-N-1's tokens: each sequence of step N-1 counts its token in flight (a placeholder) in its length, and its
-decode lane takes the token itself on the device (input_batch.py). The outputs stay exactly the serial
-ones: a sequence that finished at step N-1 (a stop, max_tokens, the window, an abort) may have been given
-one more position in step N; that token is dropped, never appended, shown or counted (one step late).
-The exception: a penalty reads the output history on the host, so a step whose in-flight predecessor
-holds a sequence with a penalty waits for that predecessor first (a synchronous step).
+Async scheduling (vLLM's ``async_scheduling``, SGLang's overlap scheduler): ``step`` N launches step N, then
+processes step N-1's tokens while the GPU runs step N. A sequence of step N-1 counts its token in flight (a
+placeholder) that its decode lane takes on the device; one that finished at N-1 may get a position in step N,
+whose token is dropped. Penalties read the host's output history: a step after a penalised one waits for it.
 """
 
 from __future__ import annotations

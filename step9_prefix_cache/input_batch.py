@@ -1,37 +1,13 @@
 """Persistent input buffers: the model's inputs live in tensors allocated once and updated in place.
 
-Step 6 rebuilt every input of a step from Python lists: each sequence's token, position and slot, and every
-block table, padded to the batch's widest and copied as a new tensor (1.43 ms at 256 sequences on an H200's
-host, 2.85 ms with 512-token prompts, whose tables are longer). A CUDA graph needs more than speed from its
-inputs: it replays fixed addresses, so every input must sit in a tensor that outlives the capture.
+One int64 buffer, allocated once, holds every input of a step, on the host (pinned with CUDA, a numpy view)
+and on the device, for a CUDA graph replays fixed addresses (vLLM v1's persistent batch). A running sequence
+owns a *row* of a persistent block table, written when it joins and at each new block; per step the host
+writes the lanes' fields, one copy moves them. Padding lanes own nothing (token 0 at position 0, the scratch
+slot, length 1, ``PADDING_ROW``). Shapes: T tokens a step, R rows, M blocks a row.
 
-Here (vLLM v1's persistent batch: ``InputBatch``, ``BlockTable``, ``CpuGpuBuffer``) every input lives in one
-int64 buffer allocated once at its largest size, twice: on the host (pinned on a CUDA machine, written
-through a numpy view) and on the device. Each running sequence owns a *row* of a persistent block table;
-the row is written when the sequence joins (its prefill) and one entry at a time when it gains a block,
-never rebuilt. Per step the host writes only the flat per-token fields of the batch's lanes (token id,
-position, slot, sequence length, row), and one host-to-device copy moves the buffer's used prefix. The
-device gathers each lane's block-table row itself.
-
-A decode-only batch of S sequences is padded to ``num_lanes`` >= S lanes (the CUDA graph's batch size).
-A padding lane owns nothing: token 0 at position 0, writing its key and value to the scratch slot (a block
-the block manager never hands out), attending over length 1 (that one key: a softmax of one finite score
-cannot be NaN), reading block-table row ``PADDING_ROW`` (every entry the scratch block); its logits are
-dropped by the runner.
-
-Step 8 (async scheduling): the decode lanes' token ids are not written by the host, which has not read them
-yet: the device gathers them, ``input_ids[lane] = last_token[rows[lane]]``, from ``last_token`` [R + 1], a
-device buffer into which the sampler scatters every step's sampled ids by row (the padding row's entry
-stays 0, the padding lanes' token). A decoding sequence's newest token was always sampled on the device
-(a row changes only at a prefill, which samples), so ``last_token`` holds it.
-
-One host buffer, not two: the host writes it for step N+1 while step N's copy out of it may still be
-queued behind step N-1's kernels. So the copy records an event and ``prepare`` waits on it before writing
-(``CpuGpuBuffer.wait_copied``). The wait is short: the engine has read step N-1's sampled ids by then, and
-step N's copy is the next thing in the stream. (Double-buffering would avoid the wait, but the block-table
-rows, written one entry at a time, would then have to be kept in step in both buffers.)
-
-Shapes: T = max tokens in a step, R = max sequences (rows), M = max blocks per sequence.
+Step 8: decode lanes' ids are gathered on the device, ``input_ids[lane] = last_token[rows[lane]]`` (the
+sampler fills ``last_token`` [R + 1] by row); ``prepare`` waits for the last copy's event before writing.
 """
 
 from __future__ import annotations

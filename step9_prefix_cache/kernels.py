@@ -1,25 +1,13 @@
 """Triton kernel: causal attention read in place from the paged KV cache, for prefills and decodes at once.
 
-Step 4 gathered every decoding sequence's blocks into a contiguous copy, then ran masked attention over it:
-the copy is written and read once more than needed, and the S x L score matrix of a prefill is
-materialised. Here one kernel streams each sequence's keys and values straight out of the pool through
-its block table (Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
-PagedAttention", SOSP) and keeps the softmax online, tile by tile, in registers (Dao et al. 2022,
-"FlashAttention", NeurIPS; Dao 2023, "FlashAttention-2"): scores never reach memory, and each key and
-value is read from the pool once per query tile.
-
-In reading order: ``triton_usable``, the kernel, its launcher ``paged_attention`` (tiles, grid, input
-checks), ``warm_up`` (compiles the engine's variants at start) and ``paged_attention_reference`` (plain
-PyTorch, for tests and benchmarks). Split-K decode (flash_decoding.py) and the KV write as a kernel
-(kv_write.py) are exercises beyond GPT-2's window that the engine does not import.
-
-Shapes: N new tokens in the batch, S sequences, H heads, D head size, L a sequence's length (cached + new),
-num_blocks x block_size slots in the pool, M block-table entries per sequence.
-
-Where the kernel runs: on a CUDA GPU, compiled; without one, Triton's interpreter runs it on CPU tensors
-(numpy, one program at a time: slow, for tests). Triton decides which when it is first imported (its own
-library functions, tl.max, tl.zeros..., are decorated then), so on a machine without CUDA this module sets
-TRITON_INTERPRET=1 before importing triton; a process that imported triton earlier must set it itself.
+One kernel streams each sequence's keys and values out of the pool through its block table (Kwon et al. 2023,
+PagedAttention, SOSP) with an online softmax, tile by tile (Dao et al. 2022, FlashAttention; Dao 2023,
+FlashAttention-2): no gathered copy as in step 4, no score matrix in memory. ``paged_attention`` launches it,
+``warm_up`` compiles its variants at start-up, ``paged_attention_reference`` is plain PyTorch. Split-K decode
+and the KV write as a kernel are exercises in step5_flash_gpu/ (flash_decoding.py, kv_write.py).
+Shapes: N new tokens, S sequences, H heads, D head size, L a sequence's length (cached + new), M blocks per
+sequence. Without CUDA, Triton's interpreter runs the kernel on CPU tensors (slow, for tests): this module
+sets TRITON_INTERPRET=1 before importing triton; a process that imported triton earlier must set it.
 """
 
 from __future__ import annotations
@@ -308,8 +296,8 @@ def paged_attention(
     qk_scale = (D**-0.5 if scale is None else scale) * LOG2E
     d_pad = max(16, triton.next_power_of_2(D))  # tl.arange needs a power of two, tl.dot K >= 16
     # fp32 must not round to tf32: on a GPU three tf32 products (tf32x3) keep fp32 accuracy on tensor cores,
-    # where "ieee" (no tensor cores) ran 40x slower in the engine; the interpreter computes "ieee". Halves
-    # ignore it.
+    # where "ieee" (no tensor cores) was far slower in the engine (benchmarks/NOTES.md, the fp32 run); the
+    # interpreter computes "ieee". Halves ignore it.
     precision = "tf32" if q.dtype != torch.float32 else "tf32x3" if q.device.type == "cuda" else "ieee"
     cfg = _attention_config(max_query_len, D)
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
@@ -348,8 +336,8 @@ def warm_up(
     configuration of ``_attention_config`` (``TILE_TABLE_QUERY_LENS``), on a tiny batch of the engine's
     dtypes (int64 metadata, as the model runner's).
 
-    Triton compiles a variant on its first launch (about a second each on an H200; later processes read
-    Triton's on-disk cache): without this, the first request that needs one waits for the compiler.
+    Triton compiles a variant on its first launch (later processes read Triton's on-disk cache): without
+    this, the first request that needs one waits for the compiler (benchmarks/NOTES.md: recompilation).
     """
     device = torch.device(device)
     blocks = -(-max(TILE_TABLE_QUERY_LENS) // block_size)  # one sequence with room for the longest query

@@ -1,30 +1,13 @@
 """The model runner: one step's sequences in, their next tokens out (vLLM's name).
 
-It turns the sequences that run in this step into the model's input tensors, runs the forward pass,
-and samples one token per sequence from the logits. This step keeps a KV cache: the prompt goes through
-the model once (prefill), filling the cache, and every later forward pass takes only the newest token
-(decode), reading the others' keys and values from the cache. Generating n tokens after a prompt of p
-tokens costs p + n token positions instead of step 1's p + (p+1) + ... + (p+n-1).
+A step's sequences are one flat batch of new tokens over the paged KV cache (prompts past their cached
+blocks, decoding sequences' newest tokens), its inputs in persistent buffers copied once per step
+(input_batch.py). A decode-only step is padded to a rung of the capture ladder and replays its CUDA graph
+(cuda_graph.py), or the same padded pass eagerly (a CPU, ``enforce_eager``); prefill steps run eagerly.
 
-Continuous batching over a paged KV cache: the sequences of a step are flattened into one batch of
-new tokens, with no padding: a whole prompt for each sequence that starts (or restarts after
-preemption), less the blocks found in the prefix cache, the newest token of each one that is decoding.
-Each token carries its position and the cache slot its key and value go to (the slot mapping); the
-decodes carry their block tables, through which attention reads their cached keys and values.
-
-CUDA graphs (cuda_graph.py) over persistent input buffers (input_batch.py): the inputs live in buffers
-allocated once, which the host updates in place and copies to the device in one copy per step. A
-decode-only step is padded to the next batch size of the capture ladder and, on a CUDA device, replays that
-size's captured graph; without graphs (a CPU, or ``enforce_eager``) the same padded pass runs eagerly. A
-step that carries prefill tokens runs eagerly, unpadded.
-
-Async scheduling (step 8): ``launch`` enqueues a step's work on the device and returns at once, before any
-result exists: the forward pass, the sampler's device part (``sample_on_device``), the scatter of the
-sampled ids into ``InputBatch.last_token`` by row (where the next step's decode lanes gather their input
-ids: the next step can be launched before the host has read these), and a non-blocking copy of the packed
-sampler output into pinned host memory, followed by an event. ``AsyncModelRunnerOutput.get_output`` waits
-for that event and unpacks the tokens; the serial step (step 7's) is the two back to back. Sources: vLLM's
-``AsyncModelRunnerOutput`` (``gpu_model_runner.py``), SGLang's overlap scheduler (``event_loop_overlap``).
+Async scheduling: ``launch`` enqueues a step and returns: the forward, ``sample_on_device``, the ids
+scattered into ``InputBatch.last_token`` (where the next step's decode lanes gather theirs), a non-blocking
+copy to pinned memory and its event, awaited by ``AsyncModelRunnerOutput.get_output`` (vLLM's names).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """OpenAI's wire format: the request bodies (pydantic models), the error body, and the response pieces.
 
-FastAPI validates request bodies with the pydantic models below (types and ranges as ``Field``
-constraints); ``validation_error`` turns their violations into OpenAI's 400, naming the field. The only
-checks written by hand are those that need the model (serving_engine.py). Errors are OpenAI's body
-``{"error": {"message", "type", "param", "code"}}``. Responses are built as dicts, field by field as the
-``openai`` SDK's types (``Completion``, ``ChatCompletion``, ``ChatCompletionChunk``, ``Model``); the
-pieces they share (logprobs objects, usage) are here.
-
-Sources: OpenAI's API reference and openai-python (``src/openai/types``); vLLM's
-``vllm/entrypoints/openai/protocol.py``.
+FastAPI validates request bodies with the pydantic models below (types and ranges as ``Field`` constraints);
+``validation_error`` turns their violations into OpenAI's 400, naming the field. Checks that need the model
+are in serving_engine.py. Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``; responses
+are dicts built field by field as the ``openai`` SDK's types (``Completion``, ``ChatCompletion``,
+``ChatCompletionChunk``, ``Model``), their shared pieces here. Sources: OpenAI's API reference, openai-python
+(``src/openai/types``), vLLM's ``vllm/entrypoints/openai/protocol.py``.
 """
 
 from __future__ import annotations

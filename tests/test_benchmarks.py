@@ -1,8 +1,7 @@
-"""benchmarks/: the kvcache, static_batch, continuous, gpu, attention and server benchmarks' code paths end
-to end on a tiny model (the server's on the demo model) on the CPU (structure of the JSON, not speed: tests
-never assert timings), redrawing a plot from the JSON, the shared workload files, the harness's
-alternation, ratios, percentiles and target lines, and the synthetic GPT-2 vocabulary of the
-gpt2-124m-random model."""
+"""benchmarks/: the benchmarks' code paths end to end on a tiny model (server_overhead's on the demo model) on
+the CPU (structure of the JSON, not speed: tests never assert timings), redrawing a plot from the JSON, the
+shared workload files, the harness's alternation, ratios, percentiles and target lines, the synthetic GPT-2
+vocabulary of the gpt2-124m-random model, and the front door's table and options."""
 
 from __future__ import annotations
 
@@ -13,18 +12,17 @@ import pytest
 import torch
 
 from benchmarks import (
+    async_scheduling_profile,
     attention,
     continuous,
     cuda_graphs,
     gpu,
-    harness,
     kvcache,
-    overlap_profile,
-    server,
+    server_overhead,
     static_batch,
-    workloads,
 )
-from benchmarks.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
+from benchmarks.lib import harness, load, workloads
+from benchmarks.lib.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
 from common.tokenizer import Tokenizer, byte_to_unicode
 
 
@@ -483,11 +481,11 @@ def test_attention_benchmark_quick_path_matches_the_reference(tiny_model, tmp_pa
 def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
     """--quick end to end on the demo model (trained: greedy ids have no near-ties): python -m step6_server
     in a subprocess against the engine in process, the same requests, the same texts."""
-    result = server.main(models=["demo"], device="cpu", quick=True, out_dir=tmp_path)
+    result = server_overhead.main(models=["demo"], device="cpu", quick=True, out_dir=tmp_path)
 
-    written = json.loads((tmp_path / "quick" / "server-cpu.json").read_text())
+    written = json.loads((tmp_path / "quick" / "server_overhead-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
-    assert (tmp_path / "quick" / "server-cpu.png").stat().st_size > 0
+    assert (tmp_path / "quick" / "server_overhead-cpu.png").stat().st_size > 0
     assert (
         len(written["machine"]["load_average_start"]) == 3
         and len(written["machine"]["load_average_end"]) == 3
@@ -495,12 +493,12 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
     w = written["workload"]
     model = written["models"]["demo"]
     conc = w["concurrency"]["workload"]["requests"]
-    assert len(conc) == server.QUICK["requests"] and all(
-        r["max_tokens"] <= server.QUICK["max_tokens"] for r in conc
+    assert len(conc) == server_overhead.QUICK["requests"] and all(
+        r["max_tokens"] <= server_overhead.QUICK["max_tokens"] for r in conc
     )
 
     c = model["concurrency"]
-    assert c["streams"] == server.STREAMS
+    assert c["streams"] == server_overhead.STREAMS
     for engine in ("in_process", "http"):
         (run,) = c["runs"][engine]
         assert run["requests_served"] == len(conc) and run["generated_tokens"] == sum(
@@ -519,7 +517,11 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
     (p,) = model["arrivals"]
     n = len(w["arrivals"]["workload"]["requests"])
     assert p["load"] == 0.5 and p["rate_per_s"] == pytest.approx(0.5 * model["capacity_requests_per_s"])
-    assert p["arrival_s"] == server.poisson(n, p["rate_per_s"], server.ARRIVAL_SEED) == sorted(p["arrival_s"])
+    assert (
+        p["arrival_s"]
+        == load.poisson(n, p["rate_per_s"], server_overhead.ARRIVAL_SEED)
+        == sorted(p["arrival_s"])
+    )
     assert p["http_text_equals_in_process"]["per_run"] == [n]
     for engine in ("in_process", "http"):
         records = p["runs"][engine][0]["requests"]
@@ -528,7 +530,7 @@ def test_server_benchmark_quick_path_http_matches_in_process(tmp_path):
         ]  # latency counts from each request's arrival
         assert all(r["arrival_s"] <= r["first_token_s"] for r in records)
 
-    report = server.report(written)
+    report = server_overhead.report(written)
     assert "not measured at full size" in report and "MISSED" not in report and "load average" in report
 
 
@@ -550,7 +552,7 @@ def test_cuda_graphs_benchmark_breaks_a_step_down(tiny_model, tmp_path):
     assert "per decode step" in cuda_graphs.report(written)
 
 
-def test_overlap_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):
+def test_async_scheduling_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):
     """A synthetic trace: each GPU activity goes to the step whose host range holds its launch; the gap
     runs from a step's last activity to the next step's first. Then a run on a CPU: no GPU timeline."""
 
@@ -562,7 +564,7 @@ def test_overlap_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):
     events += [event("cuda_driver", 20, 1, 4)]  # a Triton kernel's launch
     events += [event("kernel", 50, 30, 1), event("kernel", 85, 10, 4), event("gpu_memcpy", 120, 5, 2)]
     events += [event("kernel", 125, 60, 2), event("kernel", 200, 50, 3), event("kernel", 0, 500, 99)]
-    gaps = overlap_profile.step_gaps({"traceEvents": events})
+    gaps = async_scheduling_profile.step_gaps({"traceEvents": events})
     assert [(s["first_us"], s["last_us"], s["busy_us"]) for s in gaps["gpu_steps"]] == [
         (50, 95, 40),
         (120, 185, 65),
@@ -572,16 +574,20 @@ def test_overlap_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):
     assert gaps["idle_between_steps_share"] == pytest.approx((25 / 70 + 15 / 80) / 2)
     assert gaps["gpu_busy_share"] == pytest.approx(105 / 150) and gaps["host_ms_per_step_profiled"] == 0.1
 
-    spec = {**overlap_profile.QUICK, "batch_size": 2, "workload": {"prompt_tokens": 4, "max_tokens": 8}}
-    result = overlap_profile.run([tiny_model], "cpu", spec, quick=True, out_dir=tmp_path)
-    written = json.loads((tmp_path / "quick" / "overlap_profile-cpu.json").read_text())
+    spec = {
+        **async_scheduling_profile.QUICK,
+        "batch_size": 2,
+        "workload": {"prompt_tokens": 4, "max_tokens": 8},
+    }
+    result = async_scheduling_profile.run([tiny_model], "cpu", spec, quick=True, out_dir=tmp_path)
+    written = json.loads((tmp_path / "quick" / "async_scheduling_profile-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
     engines = written["models"][tiny_model]["engines"]
     assert set(engines) == {"step7", "step8"}
     for point in engines.values():
         assert point["ms_per_step"] > 0 and len(point["host_ranges_us"]) == spec["steps"]
         assert point["gpu_steps"] == [] and point["idle_between_steps_share"] is None
-    assert "GPU idle between steps" in overlap_profile.report(written)
+    assert "GPU idle between steps" in async_scheduling_profile.report(written)
 
 
 def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_path):
@@ -658,3 +664,30 @@ def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
+
+
+def test_front_door_lists_every_benchmark_with_its_quick_command():
+    """Every module of benchmarks/ is a benchmark of ``BENCHMARKS`` under its file name (the shared code is
+    in benchmarks/lib/), each with a --quick mode, and benchmarks/README.md opens with a table that gives
+    each one's step, question and --quick command, in the same order."""
+    import importlib
+    import inspect
+    import re
+    from pathlib import Path
+
+    from benchmarks.__main__ import BENCHMARKS
+
+    folder = Path(harness.__file__).resolve().parent.parent
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__"} == set(BENCHMARKS)
+    for name, (module_name, step, question) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        assert module.NAME == name and module_name == f"benchmarks.{name}"
+        assert "quick" in inspect.signature(module.main).parameters
+        assert re.fullmatch(r"\d(-\d)?", step) and question
+    readme = (folder / "README.md").read_text()
+    rows = re.findall(
+        r"^\| ([\d-]+) \| \[`(\w+)`\]\(\2\.py\) \| [^|]+ \| `python -m benchmarks \2( [^`]*)? --quick` \|",
+        readme,
+        flags=re.M,
+    )
+    assert [(name, step) for step, name, _ in rows] == [(n, s) for n, (_, s, _) in BENCHMARKS.items()]

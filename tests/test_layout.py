@@ -65,8 +65,6 @@ UNCHANGED_FROM_PREVIOUS = {
         "engine.py",
         "config.py",
         "kernels.py",
-        "flash_decoding.py",
-        "kv_write.py",
     ],
     # step 7 changes the model runner, the engine's start-up and arguments (config.py) and the server's line
     # that says whether graphs are on (async_engine.py): the rest of the engine and the server (whose files
@@ -81,8 +79,6 @@ UNCHANGED_FROM_PREVIOUS = {
         "kv_cache.py",
         "model.py",
         "kernels.py",
-        "flash_decoding.py",
-        "kv_write.py",
         "protocol.py",
         "serving_engine.py",
         "serving_completion.py",
@@ -104,8 +100,6 @@ UNCHANGED_FROM_PREVIOUS = {
         "kv_cache.py",
         "model.py",
         "kernels.py",
-        "flash_decoding.py",
-        "kv_write.py",
         "cuda_graph.py",
         "protocol.py",
         "serving_engine.py",
@@ -122,8 +116,6 @@ UNCHANGED_FROM_PREVIOUS = {
     "step9_prefix_cache": [
         "sampler.py",
         "kernels.py",
-        "flash_decoding.py",
-        "kv_write.py",
         "cuda_graph.py",
         "protocol.py",
         "__main__.py",
@@ -136,8 +128,8 @@ MECHANISM_TESTS = {
     "step8_async_scheduling": "test_async_scheduling.py",
     "step9_prefix_cache": "test_prefix_cache.py",
 }
-# One file per serving concept, named alike in every generating step (GUIDE.md), so that a diff lands in the
-# file named for its mechanism.
+# One file per serving concept, named alike in every generating step (the root README's Layout), so that a
+# diff lands in the file named for its mechanism.
 CONCEPT_FILES = [
     "sampling_params.py",
     "sampler.py",
@@ -247,6 +239,32 @@ def test_engine_code_imports_no_other_step(step):
                 )
 
 
+def modules_imported(step: Path) -> set[str]:
+    """The modules of a step that its own files (engine code and tests) import: relative imports,
+    ``stepN_... .x`` imports, and names built for ``importlib`` (a string constant ending in ``.x``)."""
+    found = set()
+    for path in step.glob("*.py"):
+        found |= relative_imports(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                parts = node.module.split(".")
+                if parts[0] == step.name:
+                    found.update(parts[1:2] or [a.name for a in node.names])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith(step.name + "."))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+                found.add(node.value.rsplit(".", 1)[1])
+    return found
+
+
+@pytest.mark.parametrize("step", STEPS, ids=lambda s: s.name)
+def test_every_module_of_a_step_is_imported_there(step):
+    """No dead carries: an exercise module lives only in the step that teaches it, beside its tests
+    (flash_decoding.py and kv_write.py in step 5), not copied into later steps that never import it."""
+    modules = {p.stem for p in step.glob("*.py") if not p.name.startswith("test_")} - {"__init__", "__main__"}
+    assert sorted(modules - modules_imported(step)) == [], step.name
+
+
 @pytest.mark.parametrize("step", list(UNCHANGED_FROM_PREVIOUS), ids=str)
 def test_unchanged_files_are_byte_identical(step):
     previous = STEPS[[s.name for s in STEPS].index(step) - 1]
@@ -297,6 +315,79 @@ def test_readme_command_runs(command):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def project_files(*suffixes: str) -> list[Path]:
+    """The repository's own files with these suffixes (no hidden folders, caches or virtual environments)."""
+    return [
+        p
+        for p in sorted(ROOT.rglob("*"))
+        if p.suffix in suffixes
+        and p.is_file()
+        and not any(
+            part.startswith(".") or part in ("__pycache__", "venv") for part in p.relative_to(ROOT).parts[:-1]
+        )
+    ]
+
+
+def test_no_dangling_references():
+    """Project files cite only files the repository holds: every relative link of a Markdown file resolves,
+    and every capitalised Markdown file name that a file cites (README.md, NOTES.md ...) exists in it."""
+    markdown = project_files(".md")
+    names = {p.name for p in markdown}
+    for path in markdown:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if not re.match(r"[a-z]+:", target):
+                assert (path.parent / target).exists(), f"{path.relative_to(ROOT)} links {target}"
+    for path in markdown + project_files(".py"):
+        for name in re.findall(r"\b([A-Z][A-Z0-9_]*\.md)\b", path.read_text()):
+            assert name in names, f"{path.relative_to(ROOT)} cites {name}, which the repository does not hold"
+
+
+# Module docstrings longer than 10 lines, still to be cut down where their files' next change lands.
+LONG_DOCSTRINGS_PENDING = {
+    "step3_static_batch/__main__.py",
+    *(f"step{n}/scheduler.py" for n in ("4_paged_continuous", "5_flash_gpu", "6_server", "7_cuda_graphs")),
+    *(f"step{n}/scheduler.py" for n in ("8_async_scheduling", "9_prefix_cache")),
+    *(
+        f"step{n}/api_server.py"
+        for n in ("6_server", "7_cuda_graphs", "8_async_scheduling", "9_prefix_cache")
+    ),
+    "step9_prefix_cache/block_manager.py",
+    "step9_prefix_cache/sequence.py",
+}
+
+
+def test_module_docstrings_are_short():
+    """A module's docstring says what the file is now, in 10 lines or fewer (measured figures live in the
+    READMEs and benchmarks/NOTES.md, not in code)."""
+    for path in [p for step in STEPS for p in sorted(step.glob("*.py"))] + sorted(
+        ROOT.glob("benchmarks/**/*.py")
+    ):
+        name = str(path.relative_to(ROOT))
+        if name in LONG_DOCSTRINGS_PENDING:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        assert len(doc.splitlines()) <= 10, f"{name}: a docstring of {len(doc.splitlines())} lines"
+
+
+LESSON_DIFF = "diff -ruN -x __pycache__ -x 'test_*' -x README.md"
+
+
+def test_readme_diff_commands_leave_out_tests_and_readmes():
+    """Every diff command a README gives reads the lesson, code only (what the table below counts), from a
+    step to the next: `diff -ruN -x __pycache__ -x 'test_*' -x README.md stepA stepB`."""
+    names = [s.name for s in STEPS]
+    found = 0
+    for readme in [ROOT / "README.md", *(s / "README.md" for s in STEPS)]:
+        for command in re.findall(r"diff -r[^`\n#]*", readme.read_text()):
+            if not re.search(r"step\w+ +step\w+", command):
+                continue  # prose about diff, not a command
+            found += 1
+            assert command.startswith(LESSON_DIFF + " "), f"{readme.relative_to(ROOT)}: {command}"
+            a, b = command[len(LESSON_DIFF) :].split()[:2]
+            assert names.index(b) == names.index(a) + 1, f"{readme.relative_to(ROOT)}: {command}"
+    assert found >= len(STEPS)
 
 
 def code_files(step: Path) -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""python -m benchmarks.workloads: write the workload files again from their seeded recipes."""
+"""python -m benchmarks.lib.workloads: write the workload files again from their seeded recipes."""
 
 from . import NAMES, load, summary, write
 

@@ -6,7 +6,7 @@ Every benchmark, and every later step, reads the same file: ``mixed.json`` (64 r
 lengths log-uniform, so that a static batch visibly wastes work) and ``staggered.json`` (its first 32
 arriving as a Poisson process at 2 requests per second). Prompt token ids are not stored: ``requests()``
 draws them from ``token_id_seed`` and the model's vocabulary size, so one file serves every vocabulary.
-``python -m benchmarks.workloads`` writes the files again from the seeded recipes below (the same bytes);
+``python -m benchmarks.lib.workloads`` writes the files again from the seeded recipes below (the same bytes);
 a test checks that the committed files equal them. Details: benchmarks/README.md ("Workloads").
 """
 
@@ -25,7 +25,7 @@ FOLDER = Path(__file__).resolve().parent
 NAMES = ("mixed", "staggered")
 
 # The recipes of the committed files. Changing one changes what every benchmark measures: write the
-# files again (python -m benchmarks.workloads) and say so in the commit.
+# files again (python -m benchmarks.lib.workloads) and say so in the commit.
 MIXED = {
     "num_requests": 64,
     "prompt_tokens": [8, 256],  # log-uniform, inclusive
@@ -103,7 +103,7 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 
 def path(name: str) -> Path:
-    """The committed file of workload ``name``: ``benchmarks/workloads/<name>.json``."""
+    """The committed file of workload ``name``: ``benchmarks/lib/workloads/<name>.json``."""
     return FOLDER / f"{name}.json"
 
 

@@ -1,20 +1,13 @@
-"""Step 8's overlap, seen by torch.profiler: how long the GPU idles between two decode steps, step 7 vs 8.
+"""Step 8's async scheduling, seen by torch.profiler: how long the GPU idles between two decode steps, 7 vs 8.
 
-On GPT-2 124M's shape with random weights, fp16, blocks of 16 tokens, 256 requests of 32-token prompts
-(random ids, greedy, ``ignore_eos``) all decoding: step 7's engine (serial: the host schedules, prepares,
-waits for the sampled ids and appends them while the GPU waits) and step 8's (async scheduling: step N is
-launched before step N-1's tokens are read). Per engine: ms per decode step, timed without the profiler
-(``time.perf_counter`` around ``steps`` calls of ``LLMEngine.step``, the device synchronised at both ends),
-then the same number of steps under torch.profiler, each call inside ``record_function("decode_step_<i>")``.
-From the profiler's trace, each GPU activity (kernel, memcpy, memset) belongs to the call that launched it
-(its launch's correlation id, on the host, falls in that call's range); the GPU idle between step i and
-step i + 1 is the gap from the end of step i's last activity to the start of step i + 1's first, as a share
-of the GPU period (first activity of step i to first of step i + 1). The profiler slows the host, so the
-profiled gaps are an upper bound. On a CPU (``--quick``: a tiny batch, fp32) there is no GPU timeline:
-only ms per step, and the host's step ranges in the plot.
+GPT-2 124M's shape, random weights, fp16, 256 requests of 32-token prompts all decoding, on step 7's engine
+and step 8's: ms per decode step without the profiler, then the same steps under torch.profiler, each
+``LLMEngine.step`` in a ``record_function``. Each GPU activity belongs to the step whose host range launched
+it; the idle share is the gap between two steps' activities over the GPU period (an upper bound: the profiler
+slows the host). Details and the JSON layout: benchmarks/README.md.
 
-    python -m benchmarks overlap_profile --device cuda    # one H200: about a minute
-    python -m benchmarks overlap_profile --quick          # on the CPU: checks that it works
+    python -m benchmarks async_scheduling_profile --device cuda
+    python -m benchmarks async_scheduling_profile --quick
 """
 
 from __future__ import annotations
@@ -30,10 +23,10 @@ import torch
 
 from common.weights import load_config
 
-from . import harness, workloads
-from .models import snapshot
+from .lib import harness, workloads
+from .lib.models import snapshot
 
-NAME = "overlap_profile"
+NAME = "async_scheduling_profile"
 DEFAULT_MODELS = ["gpt2-124m-random"]
 DEFAULT_RUNS = 1  # unused: one timed and one profiled window of ``steps`` decode steps per engine
 BLOCK_SIZE = 16
@@ -62,12 +55,12 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # their launches on the hos
 
 
 def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False):
-    """The CLI entry (``python -m benchmarks overlap_profile --device cuda``)."""
+    """The CLI entry (``python -m benchmarks async_scheduling_profile --device cuda``)."""
     return run(models or DEFAULT_MODELS, device, QUICK if quick else FULL, quick)
 
 
 def run(models: list[str], device: str, spec: dict, quick: bool = False, out_dir=harness.RESULTS) -> dict:
-    """Both engines on each model; writes ``<out_dir>/overlap_profile-<device>.json`` and ``.png``."""
+    """Both engines on each model; writes ``<out_dir>/async_scheduling_profile-<device>.json``, ``.png``."""
     started = time.perf_counter()
     result = {
         "benchmark": NAME,
@@ -240,7 +233,7 @@ def report(result: dict) -> str:
     """ms per decode step and the GPU's idle share between steps, per engine, with the target line."""
     m, w = result["machine"], result["workload"]
     lines = [
-        f"overlap_profile on {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, {w['dtype']}, "
+        f"{NAME} on {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, {w['dtype']}, "
         f"B = {w['batch_size']}, {w['workload']['prompt_tokens']}-token prompts, {w['steps']} decode steps"
     ]
     for name, model in result["models"].items():

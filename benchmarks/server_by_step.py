@@ -1,16 +1,13 @@
 """The servers of steps 6 and later side by side: what each mechanism buys a client of the HTTP API.
 
-The same requests go to ``python -m <step>`` for every step package present (``STEPS``: step 6's server,
-step 7's with CUDA graphs, step 8's with async scheduling, ...), one server process per step, all started
-once and alternated run by run. At each point a fixed number of streams is in flight (``STREAMS``: 1, 16,
-64; a new request is sent when one ends), every request a streaming ``POST /v1/completions`` of
-``PROMPT_TOKENS`` random token ids and exactly ``MAX_TOKENS`` new tokens (greedy, ``ignore_eos``) from
-``httpx.AsyncClient``: throughput, TTFT and inter-token latency (ITL) percentiles, and whether every step
-streamed the same text. GPT-2 124M's shape with random weights on a GPU (fp16), the demo checkpoint on a
-CPU (fp32). Drivers and figures are ``benchmarks/server.py``'s.
+One ``python -m <step>`` server per step package present, alternated run by run; at 1, 16 and 64 streams in
+flight (``STREAMS``), each request a streaming ``POST /v1/completions`` of ``PROMPT_TOKENS`` random ids and
+exactly ``MAX_TOKENS`` new tokens (greedy, ``ignore_eos``): throughput, TTFT and inter-token latency
+percentiles, and whether every step streamed the same text. GPT-2 124M's shape with random weights on a GPU
+(fp16), the demo on a CPU (fp32); the load: ``lib/load.py``. Details: benchmarks/README.md.
 
-    python -m benchmarks server_steps --device cuda --runs 2   # one H200: ~4 minutes
-    python -m benchmarks server_steps --quick                  # CPU, 1 run, short requests: checks it works
+    python -m benchmarks server_by_step --device cuda --runs 2
+    python -m benchmarks server_by_step --quick       # CPU, 1 run, short requests
 """
 
 from __future__ import annotations
@@ -23,11 +20,11 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from . import harness, workloads
-from .models import snapshot
-from .server import ServerProcess, run_http, summarise
+from .lib import harness, workloads
+from .lib.load import ServerProcess, run_http, summarise
+from .lib.models import snapshot
 
-NAME = "server_steps"
+NAME = "server_by_step"
 DEFAULT_MODELS = ["gpt2-124m-random"]
 DEFAULT_RUNS = 3
 STEPS = ["step6_server", "step7_cuda_graphs", "step8_async_scheduling", "step9_prefix_cache"]
@@ -47,7 +44,7 @@ def main(
     quick: bool = False,
     out_dir: Path = harness.RESULTS,
 ) -> dict:
-    """The CLI entry (``python -m benchmarks server_steps``)."""
+    """The CLI entry (``python -m benchmarks server_by_step``)."""
     if quick:
         runs, streams = 1, QUICK["streams"]
         prompt_tokens, max_tokens = QUICK["prompt_tokens"], QUICK["max_tokens"]

@@ -22,7 +22,7 @@ import torch
 from common.tokenizer import END_OF_TEXT, byte_to_unicode
 from common.weights import resolve_model
 
-CACHE = Path(__file__).resolve().parent / ".cache"
+CACHE = Path(__file__).resolve().parent.parent / ".cache"
 GPT2_VOCAB_SIZE = 50257  # 256 bytes + 50000 merges + <|endoftext|>
 
 MODELS = {

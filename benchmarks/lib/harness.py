@@ -1,14 +1,11 @@
 """What every benchmark shares: the machine record, timing, alternation, medians, ratios, JSON, tables.
 
-The rules (also in benchmarks/README.md):
-- warm up: the first call of an engine pays for lazy initialisation (allocator, thread pool, kernel
-  selection), so each workload runs once untimed before it is measured;
-- several runs, and the median, which one slow run (another process taking a core) does not move;
-- engines compared in the same run, alternating: run i calls every engine once, starting with a different
-  one each run, so that a slow phase of the machine falls on all of them alike;
-- a comparison is the median of the per-run ratios (engine A's run i over engine B's run i), not the
-  ratio of two medians;
-- every raw figure, the machine, the versions and the exact workload go into the JSON.
+The rules (also in benchmarks/README.md): warm up, since the first call of an engine pays for lazy
+initialisation (allocator, thread pool, kernel selection); several runs, and the median, which one slow run
+does not move; engines compared in the same run, alternating (run i calls every engine once, starting with a
+different one each run), so that a slow phase of the machine falls on all of them alike; a comparison is the
+median of per-run ratios, not the ratio of two medians; every raw figure, the machine, the versions and the
+exact workload go into the JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 def machine_info(device: str, dtype: str) -> dict:

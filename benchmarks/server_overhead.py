@@ -1,36 +1,27 @@
 """Step 6's benchmark: what the HTTP server costs on top of the engine it serves.
 
-The same requests (the shared ``mixed`` workload) go to the same engine two ways, alternated within each
-run: ``in_process`` (``step6_server.LLMEngine`` driven in this process, its step loop in a thread of its
-own) and ``http`` (``python -m step6_server`` in a subprocess, one streaming ``POST /v1/completions`` per
-request from ``httpx.AsyncClient``). Greedy, so each request's text must come out the same both ways.
-a. 16 concurrent streams: throughput (target: HTTP >= 90% of in-process); b. Poisson arrivals at
-fractions of the in-process capacity: throughput, TTFT, ITL. "Outside the engine" = 1 - in-process wall /
-HTTP wall, run by run. Details and the JSON layout: benchmarks/README.md.
+The same ``mixed`` requests go to the same engine two ways, alternated within each run: ``in_process``
+(``step6_server.LLMEngine`` stepped in a thread of this process) and ``http`` (``python -m step6_server`` in
+a subprocess, one streaming ``POST /v1/completions`` per request from httpx); greedy, so each text must come
+out the same both ways. a. 16 concurrent streams: throughput; b. Poisson arrivals at fractions of the
+in-process capacity: throughput, TTFT, ITL. Details and the JSON layout: benchmarks/README.md.
 
-    python -m benchmarks server                          # demo, 3 runs (5.4 min measured on 2 busy cores)
-    python -m benchmarks server --quick                  # 1 run, fewer and shorter requests (~25 s)
+    python -m benchmarks server_overhead                 # demo, 3 runs
+    python -m benchmarks server_overhead --quick         # 1 run, fewer and shorter requests
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import random
-import re
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
-from . import harness, workloads
-from .models import snapshot
+from .lib import harness, workloads
+from .lib.load import ServerProcess, in_thread, poisson, run_http, run_in_process, summarise
+from .lib.models import snapshot
 
-NAME = "server"
+NAME = "server_overhead"
 DEFAULT_MODELS = ["demo"]
 DEFAULT_RUNS = 3
 MAX_NUM_SEQS = 16
@@ -44,7 +35,6 @@ WARMUP_TOKENS = 4
 # --quick: 16 and 12 requests, prompts <= 64 tokens, max_tokens <= 32, one Poisson point
 QUICK = {"requests": 16, "arrival_requests": 12, "max_prompt_tokens": 64, "max_tokens": 32, "loads": [0.5]}
 TARGET = ">= 0.9"
-REPO = Path(__file__).resolve().parent.parent
 ENGINES = {
     "in_process": f"step6_server.LLMEngine(max_num_seqs={MAX_NUM_SEQS}, block_size={BLOCK_SIZE}, float32; "
     "other arguments: their defaults), add_request as requests arrive, step() while busy, in a thread of "
@@ -62,7 +52,7 @@ def main(
     quick: bool = False,
     out_dir: Path = harness.RESULTS,
 ) -> dict:
-    """The CLI entry (``python -m benchmarks server``): the full or quick workloads on each model."""
+    """The CLI entry (``python -m benchmarks server_overhead``): the full or quick workloads on each model."""
     mixed = workloads.load("mixed")
     if quick:
         caps = (QUICK["max_prompt_tokens"], QUICK["max_tokens"])
@@ -169,7 +159,7 @@ def bench_model(
     arr_reqs = workloads.requests(arrival_workload, config.vocab_size, config.n_positions)
     fields = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
     out: dict = {"snapshot": str(folder), "config": {k: getattr(config, k) for k in fields}}
-    with ServerProcess(folder, device) as url:
+    with ServerProcess(folder, device, max_num_seqs=MAX_NUM_SEQS, block_size=BLOCK_SIZE) as url:
 
         def engines(requests, arrivals=None, concurrency=None) -> dict:
             return {
@@ -247,238 +237,6 @@ def same_texts(http: dict, in_process: dict) -> int:
     """How many requests have the same generated text (and token count) over HTTP as in process."""
     theirs = {r["index"]: (r["text"], r["generated_tokens"]) for r in in_process["requests"]}
     return sum(theirs.get(r["index"]) == (r["text"], r["generated_tokens"]) for r in http["requests"])
-
-
-def in_thread(fn, *args):
-    """``fn(*args)`` in a fresh thread, as the server steps its engine in its engine-loop thread.
-
-    On a CPU, torch ran the same steps up to 4x faster in a non-main thread than in the main thread of a
-    busy 2-core machine (its intra-op thread pool behaves differently); driving both engines from a
-    thread of their own keeps that difference out of the comparison.
-    """
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(fn(*args)))
-    thread.start()
-    thread.join()
-    if not out:
-        raise RuntimeError(f"{fn.__name__} failed (see the traceback above)")
-    return out[0]
-
-
-def poisson(n: int, rate: float, seed: int) -> list[float]:
-    """Arrival times of n requests: the first at 0, then exponential gaps of mean 1 / rate seconds."""
-    rng, t, times = random.Random(seed), 0.0, []
-    for _ in range(n):
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
-
-
-# ---- the two drivers: each returns {"wall_s", "steps", "requests": [records]} ------------------------------
-
-
-def _record(
-    r: workloads.Request, arrival: float, token_times: list[float], generated: int, text: str
-) -> dict:
-    return {
-        "index": r.index,
-        "prompt_tokens": r.prompt_tokens,
-        "generated_tokens": generated,
-        "arrival_s": arrival,
-        "first_token_s": token_times[0],
-        "finished_s": token_times[-1],
-        "itl_s": [b - a for a, b in zip(token_times, token_times[1:])],
-        "text": text,
-    }
-
-
-def run_in_process(engine, module, requests, arrivals=None, concurrency=None) -> dict:
-    """Drive the engine directly: requests join between steps when they arrive (``arrivals``, seconds) or,
-    with ``concurrency``, as soon as fewer than that are in flight."""
-    params = {
-        r.index: module.SamplingParams(
-            max_tokens=r.max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            output_kind=module.RequestOutputKind.DELTA,
-        )
-        for r in requests
-    }
-    pending = list(zip(requests, arrivals or [0.0] * len(requests)))
-    by_id = {str(r.index): r for r in requests}
-    arrived: dict[str, float] = {}
-    times: dict[str, list[float]] = {}
-    counts: dict[str, int] = {}
-    texts: dict[str, list[str]] = {}
-    in_flight, steps, records = 0, 0, []
-    t0 = time.perf_counter()
-    while pending or in_flight:
-        now = time.perf_counter() - t0
-        while pending and pending[0][1] <= now and (concurrency is None or in_flight < concurrency):
-            r, at = pending.pop(0)
-            engine.add_request(str(r.index), r.prompt_token_ids, params[r.index])
-            arrived[str(r.index)] = at if arrivals else now
-            in_flight += 1
-        if not in_flight:
-            time.sleep(max(0.0, t0 + pending[0][1] - time.perf_counter()))
-            continue
-        outs = engine.step()
-        steps += 1
-        now = time.perf_counter() - t0
-        for o in outs:
-            c = o.outputs[0]
-            times.setdefault(o.request_id, []).append(now)
-            counts[o.request_id] = counts.get(o.request_id, 0) + len(c.token_ids)
-            texts.setdefault(o.request_id, []).append(c.text)
-            if o.finished:
-                in_flight -= 1
-                records.append(
-                    _record(
-                        by_id[o.request_id],
-                        arrived[o.request_id],
-                        times[o.request_id],
-                        counts[o.request_id],
-                        "".join(texts[o.request_id]),
-                    )
-                )
-    return {
-        "wall_s": time.perf_counter() - t0,
-        "steps": steps,
-        "requests": sorted(records, key=lambda x: x["index"]),
-    }
-
-
-async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
-    """The same load over HTTP: one streaming request per workload request, Poisson-timed or ``concurrency``
-    at a time; token times are the arrival times of the SSE events. ``steps``: the server's engine steps
-    over the run (``/v1/engine/stats`` before and after)."""
-    import httpx
-
-    gate = asyncio.Semaphore(concurrency or len(requests))
-    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
-
-    async def one(http: httpx.AsyncClient, r, at: float, t0: float) -> dict:
-        if arrivals:
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-        async with gate:
-            sent = time.perf_counter() - t0
-            body = {
-                "prompt": r.prompt_token_ids,
-                "max_tokens": r.max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            token_times, generated, text = [], 0, []
-            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    raise ConnectionError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise ConnectionError(event["error"]["message"])
-                    if event["choices"]:
-                        token_times.append(time.perf_counter() - t0)
-                        text.append(event["choices"][0]["text"])
-                    if event.get("usage"):
-                        generated = event["usage"]["completion_tokens"]
-        return _record(r, at if arrivals else sent, token_times, generated, "".join(text))
-
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        steps_before = (await http.get(f"{url}/v1/engine/stats")).json()["steps"]
-        t0 = time.perf_counter()
-        records = await asyncio.gather(
-            *(one(http, r, at, t0) for r, at in zip(requests, arrivals or [0.0] * len(requests)))
-        )
-        wall = time.perf_counter() - t0
-        steps = (await http.get(f"{url}/v1/engine/stats")).json()["steps"] - steps_before
-    return {"wall_s": wall, "steps": steps, "requests": sorted(records, key=lambda x: x["index"])}
-
-
-def summarise(run: dict) -> dict:
-    """One run's figures: throughput, requests/s, engine steps, TTFT / ITL / latency percentiles (seconds),
-    and its request records (without their texts and token gaps)."""
-    recs = run["requests"]
-    generated = sum(r["generated_tokens"] for r in recs)
-    ttft = [r["first_token_s"] - r["arrival_s"] for r in recs]
-    itl = [x for r in recs for x in r["itl_s"]]
-    latency = [r["finished_s"] - r["arrival_s"] for r in recs]
-    figures = {
-        "wall_s": run["wall_s"],
-        "steps": run["steps"],
-        "requests_served": len(recs),
-        "generated_tokens": generated,
-        "throughput_tok_s": generated / run["wall_s"],
-        "requests_per_s": len(recs) / run["wall_s"],
-    }
-    for label, values in (("ttft", ttft), ("itl", itl), ("latency", latency)):
-        for q in (50, 95, 99):
-            figures[f"{label}_p{q}_s"] = harness.percentile(values, q)
-    return {**figures, "requests": [{k: v for k, v in r.items() if k not in ("itl_s", "text")} for r in recs]}
-
-
-class ServerProcess:
-    """``python -m <package>`` (step 6's server or a later step's) on a free loopback port for the duration
-    of a ``with`` block; yields its URL. ``extra``: more command-line flags.
-
-    Raises ConnectionError if the server does not start (its stderr in the message)."""
-
-    def __init__(self, folder: Path, device: str, package: str = "step6_server", extra: tuple[str, ...] = ()):
-        self.package = package
-        self.args = [
-            sys.executable,
-            "-m",
-            package,
-            "--model",
-            str(folder),
-            "--device",
-            device,
-            "--port",
-            "0",
-            "--max-num-seqs",
-            str(MAX_NUM_SEQS),
-            "--block-size",
-            str(BLOCK_SIZE),
-            "--max-waiting-requests",
-            "100000",
-            *extra,  # later flags win: --max-num-seqs, --dtype, ...
-        ]
-
-    def __enter__(self) -> str:
-        self.stderr = tempfile.TemporaryFile(
-            mode="w+"
-        )  # a file, not a pipe: a pipe nobody reads can fill and block
-        self.proc = subprocess.Popen(
-            self.args,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        line = (
-            self.proc.stdout.readline()
-        )  # "serving <model> on http://127.0.0.1:<port> ...", once it listens
-        found = re.search(r"http://127\.0\.0\.1:\d+", line)
-        if not found:
-            self.proc.kill()
-            self.proc.wait()
-            self.stderr.seek(0)
-            raise ConnectionError(f"{self.package} did not start: {line}{self.stderr.read()[-2000:]}")
-        return found.group(0)
-
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
-        self.stderr.close()
 
 
 # ---- report and plot ---------------------------------------------------------------------------------------
