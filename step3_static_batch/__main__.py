@@ -5,10 +5,8 @@
 
 With several prompts (arguments, or --prompts-file with one per line) they run in static batches: each
 completion is printed when all are done, then the totals: throughput and the waste (padding positions,
-and positions computed for requests that had already finished).
-
-Run it from the repository root. The CLI's defaults (greedy, 64 tokens) differ from the Python API's,
-which are vLLM's (temperature 1.0, 16 tokens).
+and positions computed for requests that had already finished). Run it from the repository root; the
+CLI's defaults (greedy, 64 tokens) differ from the Python API's, vLLM's (temperature 1.0, 16 tokens).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The scheduler: which requests run in the next forward pass.
 
-Continuous batching (Yu et al. 2022, "Orca: A Distributed Serving System for Transformer-Based
-Generative Models", OSDI) schedules at the granularity of one token, not one batch: at every step each
-running request decodes one token, finished requests leave at once, and waiting requests join as soon
-as there is room, so nobody waits for the slowest member of a batch. Room means three limits:
-``max_num_seqs`` running requests, ``max_num_batched_tokens`` tokens in one forward pass, and free
-KV-cache blocks (vLLM's names).
-
-When a running request needs a new block and none is free, the most recently admitted request is
-*preempted*: it gives all its blocks back and returns to the front of the waiting queue, keeping the
-tokens it has generated. When it is admitted again, its prompt and those tokens are prefilled again
-(preemption by recompute, as in vLLM), and it carries on exactly where it stopped.
+Continuous batching (Yu et al. 2022, "Orca", OSDI): at every step each running request decodes one token,
+finished requests leave at once, and waiting requests join while there is room: ``max_num_seqs`` running
+requests, ``max_num_batched_tokens`` tokens in one forward pass, and free KV-cache blocks (vLLM's names).
+When a running request needs a block and none is free, the most recently admitted one is *preempted*: its
+blocks go back and it returns to the front of the waiting queue with the tokens it generated, prefilled
+again when it is readmitted (preemption by recompute, as in vLLM), so it carries on where it stopped.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The app: an OpenAI-compatible HTTP server over the engine, its middleware and its routes.
 
-The wire format is OpenAI's (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``; field by
-field as the ``openai`` SDK's types), with vLLM's extra sampling fields (``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``), vLLM's ``/health`` (200 while the engine loop
-lives, 503 once it died) and ``/metrics`` (Prometheus, vLLM's metric names, label ``model_name``). Errors
-are OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad input: the request
-never reaches the engine), 401 (``--api-key``), 404 (unknown model or path), 413 (body over the size cap),
-429 (waiting queue full, with ``Retry-After``) and 503 (engine loop dead).
-
-A request's path: ``Gate`` (API key, body size) -> FastAPI (the body as a protocol.py model) -> the
-endpoint (serving_completion.py, serving_chat.py: checks, engine requests) -> ``AsyncEngine`` (the engine
-loop thread, async_engine.py) -> back as one JSON body or Server-Sent Events (serving_engine.py).
-
-Sources: vLLM's ``vllm/entrypoints/openai/api_server.py``; FastAPI, Starlette (ASGI middleware).
+OpenAI's wire format (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) with vLLM's extra
+sampling fields, vLLM's ``/health`` (503 once the engine loop died) and ``/metrics`` (Prometheus, vLLM's
+names). Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 (bad input, before the
+engine), 401 (``--api-key``), 404, 413 (body too large), 429 (queue full, ``Retry-After``), 503 (engine
+dead). A request's path: ``Gate`` (API key, body size) -> FastAPI (protocol.py) -> the endpoint
+(serving_completion.py, serving_chat.py) -> ``AsyncEngine`` (async_engine.py) -> one JSON body or
+Server-Sent Events (serving_engine.py). Sources: vLLM's ``vllm/entrypoints/openai/api_server.py``; FastAPI.
 """
 
 from __future__ import annotations
