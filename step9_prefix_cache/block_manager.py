@@ -42,12 +42,15 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
 @dataclass
 class Block:
     """One block of the pool. ref_count: the sequences holding it (0: in the free queue). block_hash,
-    token_ids: set while the block is registered in the cache (its content is that full block's)."""
+    token_ids, parent: set while the block is registered in the cache: its hash, its tokens, and the
+    registered block before it in its chain (None for a prompt's first block). Dropping a registration
+    replaces the block's ``Block`` (same id and count), so no block registered after it matches again."""
 
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    parent: Block | None = None
 
 
 class BlockManager:
@@ -57,7 +60,8 @@ class BlockManager:
     free_blocks: the ids of blocks no sequence holds, least recently freed first (the eviction order); a
     cached one keeps its hash until it is handed out. cached_blocks: block hash -> the block registered
     under it. block_tables[seq_id]: a sequence's blocks, in position order. block_hashes[seq_id]: the hash
-    chain of its leading full blocks, as far as they are registered (or found registered).
+    chain of its leading full blocks, as far as they are registered (or found registered); chains[seq_id]:
+    the registered blocks that hold them (its own, or another sequence's with the same chain).
     num_queried_tokens, num_hit_tokens: prompt tokens of the sequences admitted, and those of them found
     cached (vLLM's prefix-cache queries and hits). ``allocate``, ``append`` and ``fork`` raise RuntimeError
     when the free blocks do not suffice (callers check ``can_allocate`` / ``can_append`` first).
@@ -72,6 +76,7 @@ class BlockManager:
         self.cached_blocks: dict[bytes, int] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[bytes]] = {}
+        self.chains: dict[str, list[Block]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -89,18 +94,18 @@ class BlockManager:
 
         The block holding the last token is never taken from the cache: that token is computed again, so
         that a prompt found whole still gets its logits (vLLM's rule; nano-vllm issue #144). A match is
-        confirmed on the tokens too."""
+        confirmed on the whole chain (``_cached``), so a hash collision cannot give a wrong hit."""
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        parent = None
+        block_hash, parent = None, None
         for j in range((len(seq) - 1) // self.block_size):
-            tokens = seq.token_ids[j * self.block_size : (j + 1) * self.block_size]
-            parent = hash_block(parent, tokens)
-            block_id = self.cached_blocks.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+            tokens = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+            block_hash = hash_block(block_hash, tokens)
+            parent = self._cached(block_hash, tokens, parent)
+            if parent is None:
                 break
-            found.append(block_id)
+            found.append(parent.block_id)
         return found
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
@@ -120,6 +125,7 @@ class BlockManager:
         fresh = self._take(self.blocks_for(len(seq)) - len(cached))
         self.block_tables[seq.request_id] = list(cached) + fresh
         self.block_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached]
+        self.chains[seq.request_id] = [self.blocks[b] for b in cached]
         if self.enable_prefix_caching:  # with the cache off nothing is looked up (vLLM counts nothing)
             self.num_queried_tokens += len(seq)
             self.num_hit_tokens += len(cached) * self.block_size
@@ -131,6 +137,7 @@ class BlockManager:
             self._share(block_id)
         self.block_tables[child_id] = list(self.block_tables[parent_id])
         self.block_hashes[child_id] = list(self.block_hashes[parent_id])
+        self.chains[child_id] = list(self.chains[parent_id])
 
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
         """Whether ``append`` finds the block it may need (a new one, or a copy) free."""
@@ -156,22 +163,29 @@ class BlockManager:
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full blocks whose keys and values are computed (its first
-        ``seq.num_computed_tokens`` tokens), extending its hash chain. A block whose content is already
-        registered under another block stays unregistered (two sequences computed it at once)."""
+        ``seq.num_computed_tokens`` tokens), extending its hash chain. A block whose chain is already
+        registered under another block stays unregistered (two sequences computed it at once), and the
+        chain goes on from that block; another chain's block under the same hash (a collision) is
+        replaced."""
         if not self.enable_prefix_caching:
             return
-        hashes, table, size = (
+        hashes, chain, table, size = (
             self.block_hashes[seq.request_id],
+            self.chains[seq.request_id],
             self.block_tables[seq.request_id],
             self.block_size,
         )
         for j in range(len(hashes), seq.num_computed_tokens // size):
-            tokens = seq.token_ids[j * size : (j + 1) * size]  # appended tokens only: never a placeholder
+            tokens = tuple(seq.token_ids[j * size : (j + 1) * size])  # appended tokens only: no placeholder
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
-            block = self.blocks[table[j]]
-            if block.block_hash is None and hashes[-1] not in self.cached_blocks:
-                block.block_hash, block.token_ids = hashes[-1], tuple(tokens)
+            parent = chain[-1] if chain else None
+            block = self._cached(hashes[-1], tokens, parent)
+            if block is None:
+                self._uncache(hashes[-1])
+                block = self.blocks[table[j]]
+                block.block_hash, block.token_ids, block.parent = hashes[-1], tokens, parent
                 self.cached_blocks[block.block_hash] = block.block_id
+            chain.append(block)
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's reference to each of its blocks (finished, aborted or preempted); a block
@@ -185,6 +199,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
         self.block_hashes.pop(seq_id)
+        self.chains.pop(seq_id)
 
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:
         """The flat cache slots of the tokens at positions start..end-1: block * block_size + offset."""
@@ -198,6 +213,23 @@ class BlockManager:
         if num_tokens > len(table) * self.block_size:
             return "new"
         return "copy" if self.blocks[table[-1]].ref_count > 1 else None
+
+    def _cached(self, block_hash: bytes, tokens: tuple[int, ...], parent: Block | None) -> Block | None:
+        """The block registered under ``block_hash`` if it holds this chain's block: ``tokens``, after
+        ``parent`` (the block matched before it; None for a first block). By induction from the first
+        block the whole prefix is confirmed, not only the hash (which only finds the candidate)."""
+        block_id = self.cached_blocks.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.parent is parent and block.token_ids == tokens else None
+
+    def _uncache(self, block_hash: bytes) -> None:
+        """Drop the registration under ``block_hash``, if any. The block gets a new ``Block``: the old one
+        may be the parent of blocks registered after it, which must never match again."""
+        block_id = self.cached_blocks.pop(block_hash, None)
+        if block_id is not None:
+            self.blocks[block_id] = Block(block_id, self.blocks[block_id].ref_count)
 
     def _share(self, block_id: int) -> None:
         """One reference more to a block; a cached block that nobody held leaves the free queue."""
@@ -213,10 +245,10 @@ class BlockManager:
             raise RuntimeError(f"out of KV-cache blocks: {n} needed, {self.num_free_blocks} free")
         taken = []
         for _ in range(n):
-            block = self.blocks[self.free_blocks.popitem(last=False)[0]]
-            if block.block_hash is not None:  # evicted
-                del self.cached_blocks[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+            block_id = self.free_blocks.popitem(last=False)[0]
+            if self.blocks[block_id].block_hash is not None:  # evicted
+                self._uncache(self.blocks[block_id].block_hash)
+            block = self.blocks[block_id]
             block.ref_count = 1
             taken.append(block.block_id)
         return taken

@@ -61,7 +61,8 @@ def ids(outputs) -> list[list[int]]:
 
 def check_blocks(bm: BlockManager) -> None:
     """The block manager's invariants: each block is held once per table that lists it (never a negative
-    count), free exactly when nobody holds it, and registered under its own hash."""
+    count), free exactly when nobody holds it, registered under its own hash, and a registered block's
+    parent, while it is the pool's block of that id, registered too."""
     holders = [0] * bm.num_blocks
     for table in bm.block_tables.values():
         for b in table:
@@ -71,6 +72,9 @@ def check_blocks(bm: BlockManager) -> None:
     assert {h: b for h, b in bm.cached_blocks.items()} == {
         b.block_hash: b.block_id for b in bm.blocks if b.block_hash is not None
     }
+    for b in bm.blocks:
+        if b.block_hash is not None and b.parent is not None and bm.blocks[b.parent.block_id] is b.parent:
+            assert b.parent.block_hash is not None
 
 
 class FakeSeq:
@@ -113,14 +117,47 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     bm.allocate(f, bm.find_cached_blocks(f))
     assert bm.cached_blocks == {} and all(b.block_hash is None for b in bm.blocks)
     check_blocks(bm)
-    # a hash collision cannot give a wrong hit: the block's tokens are compared too
+    # a hash collision cannot give a wrong hit: a hit is confirmed on the whole chain (tokens and parent)
     monkeypatch.setattr("step9_prefix_cache.block_manager.hash_block", lambda parent, tokens: b"same")
-    bm2 = BlockManager(num_blocks=4, block_size=2)
+    bm2 = BlockManager(num_blocks=8, block_size=2)
     g = FakeSeq("g", [1, 2, 3])
     bm2.allocate(g, [])
     bm2.cache_blocks(g)
     assert bm2.find_cached_blocks(FakeSeq("h", [5, 6, 7])) == []
     assert bm2.find_cached_blocks(FakeSeq("i", [1, 2, 7])) == bm2.block_tables["g"][:1]
+    # [1, 2] [1, 2]: the second block's tokens equal the first's, its parent does not (the issue's [0, 0])
+    assert bm2.find_cached_blocks(FakeSeq("j", [1, 2, 1, 2, 7])) == bm2.block_tables["g"][:1]
+    k = FakeSeq("k", [1, 2, 1, 2, 7])
+    bm2.allocate(k, bm2.find_cached_blocks(k))
+    bm2.cache_blocks(k)  # its second block replaces the first under the one hash: fewer hits, no wrong one
+    assert bm2.find_cached_blocks(FakeSeq("l", [1, 2, 1, 2, 7])) == []
+    assert bm2.find_cached_blocks(FakeSeq("m", [3, 4, 1, 2, 7])) == []
+    check_blocks(bm2)
+
+
+def test_a_hash_collision_gives_no_wrong_hit(demo_snapshot, monkeypatch):
+    """With every block hash the same (a collision everywhere), a prompt X X + tail (X one block) run twice
+    never reads X's first block in place of its second (block table [b, b]): its ids equal those of the
+    engine without the cache; the cache only finds less."""
+    monkeypatch.setattr("step9_prefix_cache.block_manager.hash_block", lambda parent, tokens: b"same")
+    x = [464, 3616, 286, 1204]
+    prompt = x + x + [318, 257]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    off = LLM(model=str(demo_snapshot), block_size=BLOCK, enable_prefix_caching=False)
+    expected = ids(off.generate(prompt_token_ids=[prompt], sampling_params=params))
+    on = LLM(model=str(demo_snapshot), block_size=BLOCK, async_scheduling=True)
+    tables = []
+    allocate = on.engine.block_manager.allocate
+    monkeypatch.setattr(
+        on.engine.block_manager,
+        "allocate",
+        lambda seq, cached: (
+            allocate(seq, cached) or tables.append(on.engine.block_manager.block_tables[seq.request_id][:2])
+        ),
+    )
+    for _ in range(3):
+        assert ids(on.generate(prompt_token_ids=[prompt], sampling_params=params)) == expected
+    assert all(a != b for a, b in tables), tables
 
 
 def test_fork_and_copy_on_write():
