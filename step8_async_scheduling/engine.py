@@ -5,8 +5,8 @@ Continuous batching over a paged KV cache: every ``step`` asks the ``Scheduler``
 
 Async scheduling (vLLM's ``async_scheduling``, SGLang's overlap scheduler): ``step`` N launches step N, then
 processes step N-1's tokens while the GPU runs step N. A sequence of step N-1 counts its token in flight (a
-placeholder) that its decode lane takes on the device; one that finished at N-1 may get a position in step N,
-whose token is dropped. Penalties read the host's output history: a step after a penalised one waits for it.
+placeholder) that its decode lane takes on the device; no position past its max_tokens-th token is scheduled,
+one that a stop ends at N-1 may get one (its token dropped). A step after a penalised one waits for it.
 """
 
 from __future__ import annotations

@@ -79,7 +79,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if blocks.append(seq.request_id, len(seq)):
+            if len(seq) >= seq.max_len:  # its last token is in flight (async scheduling): no position left
+                i += 1
+            elif blocks.append(seq.request_id, len(seq)):
                 out.decodes.append(seq)
                 i += 1
             else:  # no block free: the newest running sequence steps back (seq itself, if it is the newest)

@@ -3,10 +3,11 @@
 On a CPU the overlap path runs as on a GPU, with synchronous copies (``async_scheduling=True``). Every
 output equals step 7's (the oracle): greedy and seeded sampling, stop strings and stop tokens,
 max_tokens = 1, logprobs, penalties (the synchronous exception), streams, aborts mid-run, preemption,
-requests arriving mid-run, in the engine and through the server; a sequence that finishes when its next
-token would need a new block gives that block back; random runs with aborts and preemption end with every
-block free. With CUDA (``gpu`` tests): fp16 greedy ids equal step 7's, and a decode step's only waits are
-on the events of step N-1's sampled ids and of the input copy.
+requests arriving mid-run, in the engine and through the server; a sequence whose last token (max_tokens,
+the window) is in flight gets no position in the next step (no lane, no block, no preemption for it);
+random runs with aborts and preemption end with every block free. With CUDA (``gpu`` tests): fp16 greedy
+ids equal step 7's, and a decode step's only waits are on the events of step N-1's sampled ids and of the
+input copy.
 """
 
 from __future__ import annotations
@@ -179,10 +180,10 @@ def test_preemption_equals_step7(tiny_engines):
     assert ours_engine.stats.num_preemptions > before[0] and theirs_engine.stats.num_preemptions > before[1]
 
 
-def test_finishing_at_a_block_boundary_frees_the_extra_block(tiny_engines, monkeypatch):
-    """3 prompt tokens + 2 generated fill one block of 4 and need a fifth slot only for a third token. The
-    step scheduled while the second token is in flight gives the sequence that slot (a second block); the
-    second token ends it, and both blocks are free at once. Step 7 never takes the second block."""
+def test_finishing_at_a_block_boundary_takes_no_extra_block(tiny_engines, monkeypatch):
+    """3 prompt tokens + 2 generated fill one block of 4 and would need a fifth slot only for a third token.
+    The step scheduled while the second (last) token is in flight gives the sequence no position, so it
+    never takes a second block, as in step 7."""
     ours_engine, theirs_engine = tiny_engines
     tables_after_schedule = []
     schedule = ours_engine.scheduler.schedule
@@ -195,7 +196,50 @@ def test_finishing_at_a_block_boundary_frees_the_extra_block(tiny_engines, monke
     monkeypatch.setattr(ours_engine.scheduler, "schedule", recording)
     requests = [("edge", [21, 22, 23], greedy(2), 0)]
     assert drive(ours_engine, step8, requests) == drive(theirs_engine, step7, requests)
-    assert tables_after_schedule == [1, 1, 2, 0]  # prefill, decode, the late step, the last read
+    assert tables_after_schedule == [1, 1, 1]  # prefill, decode, the last read (nothing scheduled)
+
+
+def lanes_and_preemptions(engine, module, requests) -> tuple[dict[str, int], int]:
+    """Run ``requests`` (``drive``'s script) and count each request's lanes (the steps that computed a
+    position of it) and the preemptions."""
+    lanes = {}
+    schedule = engine.scheduler.schedule
+
+    def counting():
+        scheduled = schedule()
+        for seq in scheduled.seqs:
+            lanes[seq.request_id] = lanes.get(seq.request_id, 0) + 1
+        return scheduled
+
+    engine.scheduler.schedule = counting
+    before = engine.stats.num_preemptions
+    try:
+        drive(engine, module, requests)
+    finally:
+        del engine.scheduler.schedule
+    return lanes, engine.stats.num_preemptions - before
+
+
+def test_no_position_scheduled_past_max_tokens_or_the_window(tiny_snapshot):
+    """A request whose last token (its max_tokens-th, or the one that reaches the window) is in flight gets
+    no position in the next step (vLLM PR #27922): max_tokens 1, 2 and 5 take 1, 2 and 5 lanes (one
+    prefill, then a decode per token but the last), as step 7 does, and so does a 62-token prompt with 2 more
+    in a 64-token window. In a pool of 4 blocks the extra position would take a block and preempt the other
+    request (3 prompt tokens + 2 need one block, 7 + 6 three); outputs equal step 7's."""
+    serial = step7.LLMEngine(model=str(tiny_snapshot), max_num_seqs=4)
+    overlapped = LLMEngine(model=str(tiny_snapshot), max_num_seqs=4, async_scheduling=True)
+    requests = [(f"m{n}", [11, 12, 13], greedy(n), 0) for n in (1, 2, 5)]
+    requests.append(("window", list(range(100, 162)), greedy(2), 0))  # its last token fills the window
+    expected = {"m1": 1, "m2": 2, "m5": 5, "window": 2}
+    assert lanes_and_preemptions(serial, step7, requests) == (expected, 0)
+    assert lanes_and_preemptions(overlapped, step8, requests) == (expected, 0)
+    pool = dict(max_num_seqs=2, block_size=4, num_kv_blocks=4)
+    requests = [("short", [21, 22, 23], greedy(2), 0), ("long", [31, 32, 33, 34, 35, 36, 37], greedy(6), 0)]
+    theirs = step7.LLMEngine(model=str(tiny_snapshot), **pool)
+    ours = LLMEngine(model=str(tiny_snapshot), async_scheduling=True, **pool)
+    assert lanes_and_preemptions(theirs, step7, requests) == ({"short": 2, "long": 6}, 0)
+    assert lanes_and_preemptions(ours, step8, requests) == ({"short": 2, "long": 6}, 0)
+    assert drive(ours, step8, requests) == drive(theirs, step7, requests)
 
 
 REQUEST = st.tuples(

@@ -107,7 +107,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if blocks.can_append(seq.request_id, len(seq)):
+            if len(seq) >= seq.max_len:  # its last token is in flight (async scheduling): no position left
+                i += 1
+            elif blocks.can_append(seq.request_id, len(seq)):
                 if (copy := blocks.append(seq.request_id, len(seq))) is not None:
                     out.blocks_to_copy[seq.request_id] = copy
                 out.decodes.append(seq)

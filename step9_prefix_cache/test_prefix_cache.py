@@ -310,6 +310,45 @@ def test_n_choices_copy_on_write_equal_separate_seeded_requests(llm, oracle, mon
     assert llm.engine.stats.num_used_blocks == 0 and not llm.engine.parents
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_position_scheduled_past_max_tokens(tiny_snapshot, monkeypatch, async_scheduling):
+    """With async scheduling, a sequence whose last token (its max_tokens-th) is in flight gets no position
+    in the next step (vLLM PR #27922): max_tokens 1, 2, 5 take 1, 2, 5 lanes, as serially; in a pool of 4
+    blocks no request is preempted for a position nobody computes; n = 3 choices of max_tokens = 1 make no
+    copy-on-write (each would copy the shared last block for the position after its only token)."""
+    engine = LLMEngine(
+        model=str(tiny_snapshot),
+        async_scheduling=async_scheduling,
+        max_num_seqs=4,
+        block_size=BLOCK,
+        num_kv_blocks=4,
+    )
+    lanes, copies = [], []
+    schedule, copy_blocks = engine.scheduler.schedule, engine.kv_cache.copy_blocks
+    monkeypatch.setattr(
+        engine.scheduler, "schedule", lambda: (out := schedule()) and lanes.extend(out.seqs) or out
+    )
+    monkeypatch.setattr(
+        engine.kv_cache, "copy_blocks", lambda pairs: copies.extend(pairs) or copy_blocks(pairs)
+    )
+
+    def run(requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, int]:
+        lanes.clear()
+        for request_id, (prompt, params) in requests.items():
+            engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return {r: sum(seq.request_id == r for seq in lanes) for r in requests}
+
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    assert run({f"m{n}": ([11, 12, 13], greedy(n)) for n in (1, 2, 5)}) == {"m1": 1, "m2": 2, "m5": 5}
+    two = {"short": ([21, 22, 23], greedy(2)), "long": ([31, 32, 33, 34, 35, 36, 37], greedy(6))}
+    assert run(two) == {"short": 2, "long": 6}
+    run({"n3": ([41, 42, 43, 44, 45, 46], SamplingParams(n=3, max_tokens=1, seed=0))})
+    assert engine.stats.num_preemptions == 0 and copies == []
+    assert engine.stats.num_used_blocks == 0
+
+
 class ShadowModel:
     """Stands in for the model runner and the KV pool: "computing" position p of a sequence writes, at its
     slot, the prefix the keys and values there would encode (tokens 0..p); after a step's writes every
