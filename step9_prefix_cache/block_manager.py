@@ -62,9 +62,10 @@ class BlockManager:
     under it. block_tables[seq_id]: a sequence's blocks, in position order. block_hashes[seq_id]: the hash
     chain of its leading full blocks, as far as they are registered (or found registered); chains[seq_id]:
     the registered blocks that hold them (its own, or another sequence's with the same chain).
-    num_queried_tokens, num_hit_tokens: prompt tokens of the sequences admitted, and those of them found
-    cached (vLLM's prefix-cache queries and hits). ``allocate``, ``append`` and ``fork`` raise RuntimeError
-    when the free blocks do not suffice (callers check ``can_allocate`` / ``can_append`` first).
+    num_queried_tokens, num_hit_tokens: prompt tokens of the sequences admitted (at their first admission),
+    and those of them found cached (vLLM's prefix-cache queries and hits). ``allocate``, ``append`` and
+    ``fork`` raise RuntimeError when the free blocks do not suffice (callers check ``can_allocate`` /
+    ``can_append`` first).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -117,7 +118,9 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, cached: list[int]) -> None:
         """Give a new sequence its blocks: the cached ones ``cached`` (one reference more each), then fresh
-        blocks for the rest of its tokens. Counts the prefix-cache query and hits (with the cache on)."""
+        blocks for the rest of its tokens. Counts the prefix-cache query and hits (with the cache on) at
+        its first admission only: a preempted sequence that finds its own blocks again is no hit (vLLM
+        #25780)."""
         if seq.request_id in self.block_tables:
             raise RuntimeError(f"sequence {seq.request_id} already has blocks")
         for block_id in cached:
@@ -126,7 +129,8 @@ class BlockManager:
         self.block_tables[seq.request_id] = list(cached) + fresh
         self.block_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached]
         self.chains[seq.request_id] = [self.blocks[b] for b in cached]
-        if self.enable_prefix_caching:  # with the cache off nothing is looked up (vLLM counts nothing)
+        # with the cache off nothing is looked up (vLLM counts nothing); the scheduler marks an admission
+        if self.enable_prefix_caching and seq.metrics.first_scheduled_time is None:
             self.num_queried_tokens += len(seq)
             self.num_hit_tokens += len(cached) * self.block_size
 

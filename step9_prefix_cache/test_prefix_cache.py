@@ -78,11 +78,13 @@ def check_blocks(bm: BlockManager) -> None:
 
 
 class FakeSeq:
-    """What the block manager reads of a sequence: its id, tokens and computed count."""
+    """What the block manager reads of a sequence: its id, tokens, computed count, and whether it was ever
+    admitted (``metrics.first_scheduled_time``)."""
 
     def __init__(self, request_id: str, token_ids: list[int]):
         self.request_id, self.token_ids = request_id, list(token_ids)
         self.num_computed_tokens = len(token_ids)
+        self.metrics = SimpleNamespace(first_scheduled_time=None)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -234,9 +236,9 @@ def test_fully_cached_prompt_computes_its_last_token(llm, oracle):
 
 def test_eviction_under_a_small_pool(demo_snapshot, oracle):
     """A pool of 18 blocks of 4 tokens: an earlier prompt's cached blocks are evicted while four requests
-    share a 12-token prefix (its blocks, in use, stay; the first request computes them, the others, a step
-    later, find them), with preemption; ids are step 8's; the invariants hold after every step, and at the
-    end no block is in use."""
+    share a 12-token prefix (its blocks, in use, stay; the first request computes them, the others, two
+    steps later, find them), with preemption; ids are step 8's; the invariants hold after every step, and at
+    the end no block is in use."""
     engine = LLMEngine(
         model=str(demo_snapshot), block_size=BLOCK, num_kv_blocks=18, max_num_seqs=4, async_scheduling=True
     )
@@ -250,7 +252,7 @@ def test_eviction_under_a_small_pool(demo_snapshot, oracle):
         out, step = {}, 0
         engine.add_request(f"{len(batch)}-0", batch[0], params)
         while engine.has_unfinished_requests():
-            if step == 1:
+            if step == 2:
                 for i, p in enumerate(batch[1:], 1):
                     engine.add_request(f"{len(batch)}-{i}", p, params)
             step += 1
@@ -347,6 +349,29 @@ def test_no_position_scheduled_past_max_tokens(tiny_snapshot, monkeypatch, async
     run({"n3": ([41, 42, 43, 44, 45, 46], SamplingParams(n=3, max_tokens=1, seed=0))})
     assert engine.stats.num_preemptions == 0 and copies == []
     assert engine.stats.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_cache_counts_a_prompt_once(tiny_snapshot, async_scheduling):
+    """Six prompts that share nothing, in a pool that preempts: 0 hits, and the queries are their prompt
+    tokens, each counted at its first admission only; a preempted request readmitted with its own blocks
+    found again is not counted again (vLLM #25780; it reported 17% serially and 40% with async
+    scheduling)."""
+    engine = LLMEngine(
+        model=str(tiny_snapshot),
+        async_scheduling=async_scheduling,
+        max_num_seqs=4,
+        block_size=BLOCK,
+        num_kv_blocks=10,
+    )
+    prompts = [[100 * i + j for j in range(10)] for i in range(1, 7)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"u{i}", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats
+    assert stats.num_preemptions > 0
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_cache_hit_rate) == (60, 0, 0.0)
 
 
 class ShadowModel:
