@@ -116,11 +116,13 @@ class BlockManager:
         idle = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         return new + idle <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, cached: list[int]) -> None:
+    def allocate(self, seq: Sequence, cached: list[int]) -> list[Sequence]:
         """Give a new sequence its blocks: the cached ones ``cached`` (one reference more each), then fresh
-        blocks for the rest of its tokens. Counts the prefix-cache query and hits (with the cache on) at
-        its first admission only: a preempted sequence that finds its own blocks again is no hit (vLLM
-        #25780)."""
+        blocks for the rest of its tokens, which are all its prefill computes (``num_computed_tokens``).
+        The other choices of a request of n > 1 waiting inside it (``seq.forks``) are forked off its blocks.
+        Returns the sequences admitted: seq, then those. Counts the prefix-cache query and hits (with the
+        cache on) at its first admission only: a preempted sequence that finds its own blocks again is no
+        hit (vLLM #25780)."""
         if seq.request_id in self.block_tables:
             raise RuntimeError(f"sequence {seq.request_id} already has blocks")
         for block_id in cached:
@@ -129,19 +131,26 @@ class BlockManager:
         self.block_tables[seq.request_id] = list(cached) + fresh
         self.block_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached]
         self.chains[seq.request_id] = [self.blocks[b] for b in cached]
+        seq.num_computed_tokens = len(cached) * self.block_size
         # with the cache off nothing is looked up (vLLM counts nothing); the scheduler marks an admission
         if self.enable_prefix_caching and seq.metrics.first_scheduled_time is None:
             self.num_queried_tokens += len(seq)
             self.num_hit_tokens += len(cached) * self.block_size
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            self.fork(seq, fork)
+        return [seq, *forks]
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """A new sequence ``child_id`` holding every block of ``parent_id`` by reference (a choice of
-        ``SamplingParams.n``); the partly filled last block is copied when one of them writes to it."""
-        for block_id in self.block_tables[parent_id]:
+    def fork(self, seq: Sequence, child: Sequence) -> None:
+        """Give ``child`` (another choice of seq's request, parallel_sampling.py) every block of ``seq`` by
+        reference: its prefill computes nothing, its logits are seq's last token's. The partly filled last
+        block is copied when one of them writes to it."""
+        for block_id in self.block_tables[seq.request_id]:
             self._share(block_id)
-        self.block_tables[child_id] = list(self.block_tables[parent_id])
-        self.block_hashes[child_id] = list(self.block_hashes[parent_id])
-        self.chains[child_id] = list(self.chains[parent_id])
+        self.block_tables[child.request_id] = list(self.block_tables[seq.request_id])
+        self.block_hashes[child.request_id] = list(self.block_hashes[seq.request_id])
+        self.chains[child.request_id] = list(self.chains[seq.request_id])
+        child.num_computed_tokens = len(child)
 
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
         """Whether ``append`` finds the block it may need (a new one, or a copy) free."""

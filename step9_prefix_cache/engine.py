@@ -23,9 +23,10 @@ from .config import EngineArgs
 from .kv_cache import PagedKVCache
 from .model import GPT, kernels
 from .model_runner import AsyncModelRunnerOutput, ModelRunner
+from .parallel_sampling import ParentRequest
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
-from .sequence import ParentRequest, RequestOutput, Sequence
+from .sequence import RequestOutput, Sequence
 
 
 def as_token_ids(ids) -> list[int]:

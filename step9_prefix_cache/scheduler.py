@@ -131,17 +131,11 @@ class Scheduler:
             ):
                 break
             self.waiting.popleft()
-            blocks.allocate(seq, cached)
-            seq.num_computed_tokens = len(cached) * blocks.block_size
-            for choice in [seq, *seq.forks]:
+            for choice in blocks.allocate(seq, cached):  # seq, then its other choices (forked off its blocks)
                 self.running.append(choice)
                 out.prefills.append(choice)
                 if choice.metrics.first_scheduled_time is None:
                     choice.metrics.first_scheduled_time = time.perf_counter()
-            for fork in seq.forks:  # shares every block of the prompt; its logits are seq's last token's
-                blocks.fork(seq.request_id, fork.request_id)
-                fork.num_computed_tokens = len(fork)
-            seq.forks = []
             budget -= new_tokens
         self.num_batched_tokens = out.num_batched_tokens
         return out

@@ -6,17 +6,12 @@ can end inside a UTF-8 character, so text is released only once complete), and d
 request is done: an end-of-sequence or stop token, a stop string, ``max_tokens``, the context window.
 Stop strings are matched on the text, also when one spans several tokens: text that could be the
 beginning of a stop string is held back until it is known not to be one, so a stop string never
-reaches the output, not even in a stream.
-
-A request of ``SamplingParams.n`` > 1 choices is n sequences under one ``ParentRequest`` (vLLM's name):
-the first carries the others (``forks``) until the scheduler admits it and forks them off its prompt's
-blocks; each choice samples with its own generator (seed + i) and finishes on its own, and the request's
-outputs gather them.
+reaches the output, not even in a stream. A request of ``SamplingParams.n`` > 1 choices is n sequences
+under one ``ParentRequest`` (parallel_sampling.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +19,7 @@ import torch
 
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
+from .parallel_sampling import ParentRequest
 from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 
 
@@ -98,35 +94,15 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
-class ParentRequest:
-    """A request of n > 1 choices (vLLM's ``ParentRequest``): its id and its n sequences, choice i under
-    the id f"{i}_{request_id}" (vLLM's child ids), choice 0 under the request's own."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.choices: list[Sequence] = []
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.finished for seq in self.choices)
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of choice ``index`` of a request: one choice, seeded with seed + index (wrapping, as
-    the generator's seed does), as vLLM's parallel sampling and the server before it did."""
-    seed = None if params.seed is None else (params.seed + index) % 2**64
-    return dataclasses.replace(params, n=1, seed=seed)
-
-
 class Sequence:
-    """One request in flight, or one choice of it: its tokens, its sampling state and its stopping rules.
+    """One request in flight: its tokens, its sampling state and its stopping rules.
 
     max_model_len: the most tokens (prompt + output) the request may reach: the context window, or
     less if the KV cache is smaller. generator: the request's own ``torch.Generator`` on ``device`` if
     it has a seed (so its draws do not depend on other requests), else None. num_computed_tokens: its
     leading tokens whose keys and values are in its blocks (found cached, or computed by a step that
-    ran); a prefill computes the rest. With ``params.n`` > 1 the sequence is choice 0 and makes the
-    other choices (``forks``, under ``parent``); index: the choice's number.
+    ran); a prefill computes the rest. index, parent, forks: its choice of a request of n > 1
+    (parallel_sampling.py), that ``ParentRequest``, and (choice 0, until admitted) the other choices.
     """
 
     def __init__(
@@ -165,22 +141,12 @@ class Sequence:
         self.num_computed_tokens = 0
         self.index, self.parent, self.forks = 0, None, []
         if params.n > 1:
-            self.parent = ParentRequest(request_id)
-            self.forks = [
-                Sequence(
-                    f"{i}_{request_id}",
-                    prompt,
-                    prompt_token_ids,
-                    choice_params(params, i),
-                    tokenizer,
-                    max_model_len,
-                    device,
-                )
-                for i in range(1, params.n)
-            ]
-            self.parent.choices = [self, *self.forks]
-            for i, choice in enumerate(self.forks, 1):
-                choice.index, choice.parent = i, self.parent
+            ParentRequest(
+                self,
+                lambda choice_id, choice_params: Sequence(
+                    choice_id, prompt, prompt_token_ids, choice_params, tokenizer, max_model_len, device
+                ),
+            )
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -246,31 +212,15 @@ class Sequence:
 
     def output(self) -> RequestOutput | None:
         """The output due now under the request's ``output_kind``: everything so far (CUMULATIVE), what
-        is new since the last output (DELTA), or nothing until the request has finished (FINAL_ONLY).
-        A choice of n > 1 outputs its own completion under the request's id, and with FINAL_ONLY the last
-        choice to finish outputs every choice's."""
+        is new since the last output (DELTA), or nothing until the request has finished (FINAL_ONLY)."""
         kind = self.params.output_kind
-        request = self.parent or self
-        if kind is RequestOutputKind.FINAL_ONLY and not request.finished:
+        if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
-        choices = request.choices if kind is RequestOutputKind.FINAL_ONLY and self.parent else [self]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[seq.completion() for seq in choices],
-            finished=request.finished,
-            metrics=self.metrics,
-        )
-
-    def completion(self) -> CompletionOutput:
-        """This choice's ``CompletionOutput`` under its ``output_kind`` (DELTA: what is new since then)."""
-        kind = self.params.output_kind
         tokens, chars = (
             (self.num_sent_tokens, self.num_sent_chars) if kind is RequestOutputKind.DELTA else (0, 0)
         )
         self.num_sent_tokens, self.num_sent_chars = len(self.output_token_ids), len(self.text)
-        return CompletionOutput(
+        completion = CompletionOutput(
             index=self.index,
             text=self.text[chars:],
             token_ids=self.output_token_ids[tokens:],
@@ -278,3 +228,12 @@ class Sequence:
             logprobs=None if self.logprobs is None else self.logprobs[tokens:],
             stop_reason=self.stop_reason,
         )
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finished,
+            metrics=self.metrics,
+        )
+        return out if self.parent is None else self.parent.make_output(out)  # one choice of n > 1

@@ -85,6 +85,7 @@ class FakeSeq:
         self.request_id, self.token_ids = request_id, list(token_ids)
         self.num_computed_tokens = len(token_ids)
         self.metrics = SimpleNamespace(first_scheduled_time=None)
+        self.forks = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -94,6 +95,7 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     bm = BlockManager(num_blocks=6, block_size=2)
     a = FakeSeq("a", [1, 2, 3, 4, 5])
     bm.allocate(a, bm.find_cached_blocks(a))  # nothing cached yet: 3 fresh blocks
+    a.num_computed_tokens = len(a)  # a step computed it
     bm.cache_blocks(a)  # its two full blocks
     assert len(bm.cached_blocks) == 2 and bm.block_hashes["a"][1] == hash_block(
         hash_block(None, [1, 2]), [3, 4]
@@ -124,6 +126,7 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     bm2 = BlockManager(num_blocks=8, block_size=2)
     g = FakeSeq("g", [1, 2, 3])
     bm2.allocate(g, [])
+    g.num_computed_tokens = len(g)  # a step computed it
     bm2.cache_blocks(g)
     assert bm2.find_cached_blocks(FakeSeq("h", [5, 6, 7])) == []
     assert bm2.find_cached_blocks(FakeSeq("i", [1, 2, 7])) == bm2.block_tables["g"][:1]
@@ -131,6 +134,7 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     assert bm2.find_cached_blocks(FakeSeq("j", [1, 2, 1, 2, 7])) == bm2.block_tables["g"][:1]
     k = FakeSeq("k", [1, 2, 1, 2, 7])
     bm2.allocate(k, bm2.find_cached_blocks(k))
+    k.num_computed_tokens = len(k)  # a step computed it
     bm2.cache_blocks(k)  # its second block replaces the first under the one hash: fewer hits, no wrong one
     assert bm2.find_cached_blocks(FakeSeq("l", [1, 2, 1, 2, 7])) == []
     assert bm2.find_cached_blocks(FakeSeq("m", [3, 4, 1, 2, 7])) == []
@@ -166,8 +170,8 @@ def test_fork_and_copy_on_write():
     bm = BlockManager(num_blocks=8, block_size=4)
     p = FakeSeq("p", [1, 2, 3, 4, 5, 6])  # a full block, then a partly filled one
     bm.allocate(p, [])
-    bm.fork("p", "q")
     q = FakeSeq("q", p.token_ids)
+    bm.fork(p, q)
     assert bm.block_tables["q"] == bm.block_tables["p"] and [b.ref_count for b in bm.blocks[:2]] == [2, 2]
     for seq in (p, q):
         seq.token_ids.append(7)  # position 6 lands in the shared block
