@@ -64,11 +64,6 @@ class BlockManager:
         """Release every block of the sequence (finished, aborted or preempted)."""
         self.free_blocks.extend(self.block_tables.pop(seq_id))
 
-    def slots(self, seq_id: str, start: int, end: int) -> list[int]:
-        """The flat cache slots of the tokens at positions start..end-1: block * block_size + offset."""
-        table, size = self.block_tables[seq_id], self.block_size
-        return [table[p // size] * size + p % size for p in range(start, end)]
-
     def _take(self, n: int) -> list[int]:
         """n blocks off the free list; nothing is taken if fewer are free (RuntimeError)."""
         if n > self.num_free_blocks:

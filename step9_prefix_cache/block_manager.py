@@ -154,7 +154,7 @@ class BlockManager:
 
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
         """Whether ``append`` finds the block it may need (a new one, or a copy) free."""
-        return self._append_needs_block(seq_id, num_tokens) is None or self.num_free_blocks > 0
+        return not self._append_needs_block(seq_id, num_tokens) or self.num_free_blocks > 0
 
     def append(self, seq_id: str, num_tokens: int) -> tuple[int, int] | None:
         """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode,
@@ -163,10 +163,9 @@ class BlockManager:
         copy to make before the write, (source, destination) block ids, or None. Raises RuntimeError if no
         block is free (check ``can_append``)."""
         table = self.block_tables[seq_id]
-        needs = self._append_needs_block(seq_id, num_tokens)
-        if needs == "new":
+        if num_tokens > len(table) * self.block_size:
             table.extend(self._take(1))
-        elif needs == "copy":
+        elif self._append_needs_block(seq_id, num_tokens):
             shared = self.blocks[table[-1]]
             (own,) = self._take(1)
             shared.ref_count -= 1  # still held by the others
@@ -214,18 +213,11 @@ class BlockManager:
         self.block_hashes.pop(seq_id)
         self.chains.pop(seq_id)
 
-    def slots(self, seq_id: str, start: int, end: int) -> list[int]:
-        """The flat cache slots of the tokens at positions start..end-1: block * block_size + offset."""
-        table, size = self.block_tables[seq_id], self.block_size
-        return [table[p // size] * size + p % size for p in range(start, end)]
-
-    def _append_needs_block(self, seq_id: str, num_tokens: int) -> str | None:
-        """What writing position num_tokens - 1 needs: "new" if it starts a new block, "copy" if it lands
-        in a block that others share, else None."""
+    def _append_needs_block(self, seq_id: str, num_tokens: int) -> bool:
+        """Whether writing position num_tokens - 1 needs a free block: a new one if the position starts a
+        block, a copy if it lands in a block that others share."""
         table = self.block_tables[seq_id]
-        if num_tokens > len(table) * self.block_size:
-            return "new"
-        return "copy" if self.blocks[table[-1]].ref_count > 1 else None
+        return num_tokens > len(table) * self.block_size or self.blocks[table[-1]].ref_count > 1
 
     def _cached(self, block_hash: bytes, tokens: tuple[int, ...], parent: Block | None) -> Block | None:
         """The block registered under ``block_hash`` if it holds this chain's block: ``tokens``, after

@@ -1,23 +1,13 @@
 """The scheduler: which requests run in the next forward pass.
 
-Continuous batching (Yu et al. 2022, "Orca: A Distributed Serving System for Transformer-Based
-Generative Models", OSDI) schedules at the granularity of one token, not one batch: at every step each
-running request decodes one token, finished requests leave at once, and waiting requests join as soon
-as there is room, so nobody waits for the slowest member of a batch. Room means three limits:
-``max_num_seqs`` running requests, ``max_num_batched_tokens`` tokens in one forward pass, and free
-KV-cache blocks (vLLM's names).
-
-When a running request needs a new block and none is free, the most recently admitted request is
-*preempted*: it gives all its blocks back and returns to the front of the waiting queue, keeping the
-tokens it has generated. When it is admitted again, its prompt and those tokens are prefilled again
-(preemption by recompute, as in vLLM), and it carries on exactly where it stopped.
-
-Prefix caching: a request is admitted with every leading full block of its tokens that the block
-manager finds cached, and its prefill computes only the tokens after them (so a preempted request
-finds most of its blocks again). The blocks a step computed are registered at the start of the next
-``schedule`` (and when a request finishes), from tokens the sequences hold. A request of n choices is
-admitted with room for all n: its prompt is prefilled once and the other n - 1 choices are forked off
-its blocks in the same step, each a lane with no token of its own whose logits are its first choice's.
+Continuous batching (Yu et al. 2022, "Orca", OSDI): at every step each running request decodes one token,
+finished requests leave at once, and waiting requests join while there is room: ``max_num_seqs`` running
+requests, ``max_num_batched_tokens`` tokens in one forward pass, and free KV-cache blocks (vLLM's names).
+When a running request needs a block and none is free, the most recently admitted one is *preempted*: its
+blocks go back and it returns to the front of the waiting queue with the tokens it generated, prefilled
+again when it is readmitted (preemption by recompute, as in vLLM), so it carries on where it stopped.
+Prefix caching: a request is admitted with the leading full blocks of its tokens found cached and prefills
+the rest; a request of n choices is admitted with room for all n and prefilled once (block_manager.py).
 """
 
 from __future__ import annotations

@@ -511,7 +511,7 @@ def test_triton_and_torch_attend_alike_over_cached_context(tiny_snapshot):
 
 @pytest.mark.slow
 @needs_triton
-def test_triton_engine_equals_step7_with_prefix_hits(demo_snapshot, oracle):
+def test_triton_engine_equals_step8_with_prefix_hits(demo_snapshot, oracle):
     prompts = [[11, 12, 13, 14, 15, 16, 17], [11, 12, 13, 14, 15, 16, 18, 19, 20]]
     ours = LLM(model=str(demo_snapshot), block_size=BLOCK, attention_backend="triton")
     params = SamplingParams(max_tokens=4, temperature=0)
