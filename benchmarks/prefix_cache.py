@@ -1,10 +1,10 @@
 """Step 9's benchmark: prefix caching on a shared-prefix workload and on one that shares nothing.
 
-Requests arriving as a Poisson process, greedy, ``ignore_eos``: ``shared`` (a 384-token system prompt, then
-32 tokens of each request's own) and ``unique`` (the same lengths, nothing shared); 64 requests of 64 new
-tokens, 8 per second on the CPU, 2,000 on a GPU (a burst). ``step9`` (prefix caching on) and ``step8``
-alternate in each run, on new token ids every run, so the system prompt is cold when a run starts. Figures:
-TTFT, throughput, hit rate, prefill tokens computed. Details: benchmarks/README.md.
+Poisson arrivals, greedy, ``ignore_eos``: ``shared`` (a 384-token system prompt, then 32 tokens of each
+request's own) and ``unique`` (nothing shared); 64 requests of 64 new tokens, 8 per second on the CPU, 2,000
+on a GPU. ``step9`` (cache on) and ``step8`` alternate in each run, on new token ids every run. Figures: TTFT,
+throughput, hit rate, prefill tokens; on a GPU also ``THROUGHPUT``, the cache's own cost (256 requests at
+once, nothing shared, step 9 with it on and off against step 8). Details: benchmarks/README.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks prefix_cache   # CPU: the demo checkpoint, 3 runs
     python -m benchmarks prefix_cache --device cuda      # GPT-2 124M shapes, random weights, fp16
@@ -15,6 +15,8 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+
+from common.weights import load_config
 
 from .lib import drivers, harness
 from .lib.load import poisson
@@ -32,6 +34,10 @@ MAX_NUM_SEQS = {"cpu": 8, "cuda": 32}
 BLOCK_SIZE = 16
 ARRIVAL_SEED, TOKEN_SEED = 0, 9000
 QUICK = {"num_requests": 8, "max_tokens": 8}
+# nothing shared, every request at once: workload -> (prompt tokens, generated tokens); on a GPU only
+THROUGHPUT = {"short": (32, 128), "long": (512, 256)}
+THROUGHPUT_REQUESTS = 256
+QUICK_THROUGHPUT = {"short": (8, 8)}  # --quick: 8 requests, on any device
 ENGINES = {
     "step9": "step9_prefix_cache.LLMEngine(block_size=16, max_num_seqs=B), prefix caching on (the default)",
     "step8": "step8_async_scheduling.LLMEngine(block_size=16, max_num_seqs=B): every prompt token computed",
@@ -106,7 +112,67 @@ def run(
         return bench_model(name, device, dtype, runs, num_requests, max_tokens, rate, max_num_seqs)
 
     harness.run_models(result, models, bench)
+    if kind == "cuda" or quick:
+        lengths, n = (QUICK_THROUGHPUT, 8) if quick else (THROUGHPUT, THROUGHPUT_REQUESTS)
+        result["workload"]["throughput"] = (
+            f"{n} requests submitted at once per workload (prompt + generated tokens: {lengths}), greedy, "
+            "ignore_eos; every prompt its own, drawn anew every run (nothing shared, nothing cached from "
+            "before); LLM.generate timed with the device synchronised; engines alternated, order rotated "
+            "per run, after one untimed run each; ratios are medians of per-run ratios"
+        )
+        for name in models:
+            result["models"][name]["throughput"] = throughput(name, device, dtype, runs, n, lengths)
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
+
+
+def throughput(name: str, device: str, dtype: str, runs: int, n: int, lengths: dict) -> dict:
+    """Step 9 with its cache on and off against step 8 on requests that share nothing (the cost of the
+    cache's own bookkeeping): per workload, every run's tok/s, the medians and the ratios. The engines are
+    configured as the gpu benchmark's (blocks of 16, ``max_num_seqs`` n, a pool and a token budget that
+    admit every request in the first step)."""
+    import step8_async_scheduling
+    import step9_prefix_cache
+
+    folder = snapshot(name)
+    window = load_config(folder).n_positions
+    longest = max(p + g for p, g in lengths.values())
+    size = dict(
+        block_size=BLOCK_SIZE,
+        max_num_seqs=n,
+        num_kv_blocks=n * -(-longest // BLOCK_SIZE),
+        max_num_batched_tokens=max(n * max(p for p, _ in lengths.values()), window),
+    )
+    modules = {"step9": step9_prefix_cache, "step9_off": step9_prefix_cache, "step8": step8_async_scheduling}
+    llms = {
+        e: m.LLM(
+            model=str(folder),
+            device=device,
+            dtype=dtype,
+            **size,
+            **({"enable_prefix_caching": False} if e == "step9_off" else {}),
+        )
+        for e, m in modules.items()
+    }
+    vocab = llms["step9"].engine.config.vocab_size
+    out = {"config": size}
+    for wname, (prompt_tokens, max_tokens) in lengths.items():
+        print(f"  throughput, {wname}: {n} x ({prompt_tokens} + {max_tokens}), nothing shared", flush=True)
+        seed = TOKEN_SEED + 1000 * (1 + list(lengths).index(wname))
+        calls = {
+            e: unshared_generate(llm, modules[e], vocab, n, prompt_tokens, max_tokens, seed, device)
+            for e, llm in llms.items()
+        }
+        raw = harness.alternate(calls, runs, warmup=1)
+        out[wname] = drivers.compare(
+            raw,
+            {
+                "step9/step8 throughput": ("step9", "step8", "throughput_tok_s"),
+                "step9_off/step8 throughput": ("step9_off", "step8", "throughput_tok_s"),
+            },
+        )
+    del llms
+    harness.free(device)
+    return out
 
 
 def bench_model(
@@ -182,6 +248,26 @@ def measured(engine, module, kind: str, vocab: int, num_requests: int, max_token
     return call
 
 
+def unshared_generate(
+    llm, module, vocab: int, n: int, prompt_tokens: int, max_tokens: int, seed: int, device
+):
+    """A call that runs the next run of ``n`` requests through ``llm.generate`` and returns its figures:
+    run i (from -1, the warm-up) draws every prompt from random.Random(seed + i), alike for every engine."""
+    count = iter(range(-1, 10**6))
+
+    def call() -> dict:
+        ids = random.Random(seed + next(count))
+        prompts = [[ids.randrange(vocab - 1) for _ in range(prompt_tokens)] for _ in range(n)]
+        params = module.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        wall, outs = harness.timed(
+            lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params), device
+        )
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"wall_s": wall, "generated_tokens": generated, "throughput_tok_s": generated / wall}
+
+    return call
+
+
 FIGURES = [
     ("ttft_p50_s", "TTFT p50 (ms)", 1e3),
     ("ttft_p99_s", "TTFT p99 (ms)", 1e3),
@@ -229,6 +315,23 @@ def report(result: dict) -> str:
                 full_size=full,
             ),
         ]
+        for wname, point in model.get("throughput", {}).items():
+            if wname == "config":
+                continue
+            medians, ratios = point["median"], point["ratios"]
+            lines.append(
+                f"nothing shared, {wname}: tok/s step9 {medians['step9']['throughput_tok_s']:.0f}, "
+                f"step9 cache off {medians['step9_off']['throughput_tok_s']:.0f}, "
+                f"step8 {medians['step8']['throughput_tok_s']:.0f}"
+            )
+            lines.append(
+                harness.target_line(
+                    f"nothing shared, {wname}: step9 / step8 throughput",
+                    ratios["step9/step8 throughput"]["median"],
+                    ">= 0.97",
+                    full_size=full,
+                )
+            )
     return "\n".join(lines)
 
 

@@ -1,21 +1,12 @@
-"""The block manager: which KV-cache blocks are free, which blocks each sequence holds, and which blocks
-hold a known prefix (automatic prefix caching).
+"""The block manager: which KV-cache blocks are free, which blocks each sequence holds, and which hold a
+known prefix: blocks shared by content (prefix caching) and by fork (``SamplingParams.n``).
 
-The bookkeeping half of PagedAttention (Kwon et al. 2023, SOSP; the name is vLLM's): a free queue and a
-block table per sequence; ``block_size`` is decided here, once. A sequence gets blocks on demand, one
-whenever its next token starts a new block, and gives them back when it finishes, is aborted or is
-preempted. Nothing here touches tensors; the pool itself is ``PagedKVCache``.
-
-Prefix caching (vLLM's automatic prefix caching; nano-vllm's block manager): a *full* block is named by a
-hash chained over every token up to its end, ``hash(block j) = sha256(hash(block j - 1) + its token ids)``,
-so that equal tokens after different prefixes never match. Once its keys and values are computed, a full
-block is registered under its hash, and it stays registered after its last owner leaves: a free but
-cached block, still in the free queue, evicted (its hash dropped) only when the queue hands it out again,
-least recently freed first. A new sequence gets every leading full block of its prompt found in the
-cache, reference-counted, and computes only the rest. Blocks are shared by reference (``ref_count``): a
-block in use is never in the free queue, so never evicted. The one block that sequences share while it is
-still being written is a forked prompt's partly filled last block (``fork``, ``SamplingParams.n``): the
-first choice to write into it gets a copy of its own (copy-on-write, ``append``).
+The bookkeeping half of PagedAttention (Kwon et al. 2023, SOSP): a free queue and a block table per
+sequence. Prefix caching (vLLM's automatic prefix caching, nano-vllm's block manager): a full block that a
+launched step writes is registered under a hash chained over every token up to its end, and stays so after
+its last owner leaves (cached, in the free queue, evicted least recently freed first); a new sequence takes
+the leading full blocks of its prompt found cached, each confirmed on the whole chain. A forked choice holds
+its prompt's blocks by reference; the first to write into the shared last block gets a copy (copy-on-write).
 """
 
 from __future__ import annotations
@@ -33,24 +24,29 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     """The chained hash of a full block: sha256 over its parent's hash (b"" for the first block) and its
     token ids (int64). 32 bytes; collision-resistant (vLLM's sha256 option), so a match names the prefix."""
-    return hashlib.sha256((parent_hash or b"") + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+    n = len(token_ids)
+    int64s = _INT64S.get(n) or _INT64S.setdefault(n, struct.Struct(f"<{n}q"))
+    return hashlib.sha256((parent_hash or b"") + int64s.pack(*token_ids)).digest()
 
 
-@dataclass
+_INT64S: dict[int, struct.Struct] = {}  # n -> the packer of n int64s (a block's token ids)
+
+
+@dataclass(slots=True)
 class Block:
-    """One block of the pool. ref_count: the sequences holding it (0: in the free queue). block_hash,
-    token_ids, parent: set while the block is registered in the cache: its hash, its tokens, and the
-    registered block before it in its chain (None for a prompt's first block). Dropping a registration
-    replaces the block's ``Block`` (same id and count), so no block registered after it matches again."""
+    """One block of the pool. ref_count: the sequences holding it (0: in the free queue). Set while the
+    block is registered in the cache: block_hash, token_ids, registration (a number no other registration
+    has), parent (the registration of the block before it in its chain; 0 for a prompt's first block)."""
 
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
-    parent: Block | None = None
+    registration: int = 0
+    parent: int = 0
 
 
 class BlockManager:
@@ -59,13 +55,12 @@ class BlockManager:
 
     free_blocks: the ids of blocks no sequence holds, least recently freed first (the eviction order); a
     cached one keeps its hash until it is handed out. cached_blocks: block hash -> the block registered
-    under it. block_tables[seq_id]: a sequence's blocks, in position order. block_hashes[seq_id]: the hash
-    chain of its leading full blocks, as far as they are registered (or found registered); chains[seq_id]:
-    the registered blocks that hold them (its own, or another sequence's with the same chain).
+    under it. block_tables[seq_id]: a sequence's blocks, in position order. chains[seq_id]: the
+    registrations that hold its leading full blocks, as far as registered or found (its own blocks, or
+    another sequence's of the same chain); its hashes are ``Sequence.block_hashes``, each hashed once.
     num_queried_tokens, num_hit_tokens: prompt tokens of the sequences admitted (at their first admission),
-    and those of them found cached (vLLM's prefix-cache queries and hits). ``allocate``, ``append`` and
-    ``fork`` raise RuntimeError when the free blocks do not suffice (callers check ``can_allocate`` /
-    ``can_append`` first).
+    and those of them found cached (vLLM's prefix-cache queries and hits). ``allocate`` raises RuntimeError
+    when the free blocks do not suffice (callers check ``can_allocate`` first).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -76,8 +71,9 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[bytes, int] = {}
         self.block_tables: dict[str, list[int]] = {}
-        self.block_hashes: dict[str, list[bytes]] = {}
-        self.chains: dict[str, list[Block]] = {}
+        self.chains: dict[str, list[int]] = {}
+        self.num_registrations = 0
+        self.copy_on_write: set[str] = set()  # sequences whose partly filled last block others share
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -99,14 +95,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        block_hash, parent = None, None
+        parent = 0
         for j in range((len(seq) - 1) // self.block_size):
             tokens = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
-            block_hash = hash_block(block_hash, tokens)
-            parent = self._cached(block_hash, tokens, parent)
-            if parent is None:
+            block = self._cached(self._block_hash(seq, j, tokens), tokens, parent)
+            if block is None:
                 break
-            found.append(parent.block_id)
+            found.append(block.block_id)
+            parent = block.registration
         return found
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
@@ -129,8 +125,7 @@ class BlockManager:
             self._share(block_id)
         fresh = self._take(self.blocks_for(len(seq)) - len(cached))
         self.block_tables[seq.request_id] = list(cached) + fresh
-        self.block_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached]
-        self.chains[seq.request_id] = [self.blocks[b] for b in cached]
+        self.chains[seq.request_id] = [self.blocks[b].registration for b in cached]
         seq.num_computed_tokens = len(cached) * self.block_size
         # with the cache off nothing is looked up (vLLM counts nothing); the scheduler marks an admission
         if self.enable_prefix_caching and seq.metrics.first_scheduled_time is None:
@@ -148,56 +143,59 @@ class BlockManager:
         for block_id in self.block_tables[seq.request_id]:
             self._share(block_id)
         self.block_tables[child.request_id] = list(self.block_tables[seq.request_id])
-        self.block_hashes[child.request_id] = list(self.block_hashes[seq.request_id])
         self.chains[child.request_id] = list(self.chains[seq.request_id])
+        child.block_hashes = list(seq.block_hashes)
         child.num_computed_tokens = len(child)
+        if len(seq) % self.block_size:  # both write into the shared last block next: copy-on-write
+            self.copy_on_write.update((seq.request_id, child.request_id))
 
-    def can_append(self, seq_id: str, num_tokens: int) -> bool:
-        """Whether ``append`` finds the block it may need (a new one, or a copy) free."""
-        return not self._append_needs_block(seq_id, num_tokens) or self.num_free_blocks > 0
-
-    def append(self, seq_id: str, num_tokens: int) -> tuple[int, int] | None:
-        """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode,
-        which writes position num_tokens - 1): a new block if that position starts one; if it lands in a
-        block that other sequences share, a copy of that block for this one (copy-on-write). Returns the
-        copy to make before the write, (source, destination) block ids, or None. Raises RuntimeError if no
-        block is free (check ``can_append``)."""
-        table = self.block_tables[seq_id]
-        if num_tokens > len(table) * self.block_size:
-            table.extend(self._take(1))
-        elif self._append_needs_block(seq_id, num_tokens):
+    def append(self, seq: Sequence, blocks_to_copy: dict[str, tuple[int, int]]) -> bool:
+        """Make room for the sequence's decode, which writes position len(seq) - 1: a new block if that
+        position starts one, or, if it lands in a block that others share (a fork's partly filled last
+        block), a block of its own: (source, destination) goes into ``blocks_to_copy``, copied before the
+        step writes (copy-on-write). Returns False, taking nothing, if the block it needs is not free."""
+        table = self.block_tables[seq.request_id]
+        if len(seq) > len(table) * self.block_size:
+            if not self.free_blocks:
+                return False
+            table.append(self._pop_free())
+        elif self.copy_on_write and seq.request_id in self.copy_on_write:
             shared = self.blocks[table[-1]]
-            (own,) = self._take(1)
-            shared.ref_count -= 1  # still held by the others
-            table[-1] = own
-            return shared.block_id, own
-        return None
+            if shared.ref_count > 1:  # the last holder writes in place
+                if not self.free_blocks:
+                    return False
+                own = self._pop_free()
+                shared.ref_count -= 1  # still held by the others
+                table[-1] = own
+                blocks_to_copy[seq.request_id] = (shared.block_id, own)
+            self.copy_on_write.discard(seq.request_id)
+        return True
 
-    def cache_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's full blocks whose keys and values are computed (its first
-        ``seq.num_computed_tokens`` tokens), extending its hash chain. A block whose chain is already
-        registered under another block stays unregistered (two sequences computed it at once), and the
-        chain goes on from that block; another chain's block under the same hash (a collision) is
-        replaced."""
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among the sequence's first ``num_tokens`` tokens, which the caller knows
+        a launched step has written (a later step reads them after it, on the same stream), extending its
+        chain. A block whose chain is registered under another block stays unregistered (two sequences
+        computed it at once) and the chain goes on from that block; another chain's block under the same
+        hash (a collision) is replaced."""
         if not self.enable_prefix_caching:
             return
-        hashes, chain, table, size = (
-            self.block_hashes[seq.request_id],
-            self.chains[seq.request_id],
-            self.block_tables[seq.request_id],
-            self.block_size,
-        )
-        for j in range(len(hashes), seq.num_computed_tokens // size):
-            tokens = tuple(seq.token_ids[j * size : (j + 1) * size])  # appended tokens only: no placeholder
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
-            parent = chain[-1] if chain else None
-            block = self._cached(hashes[-1], tokens, parent)
-            if block is None:
-                self._uncache(hashes[-1])
+        chain, table, size = self.chains[seq.request_id], self.block_tables[seq.request_id], self.block_size
+        cached, hashes = self.cached_blocks, seq.block_hashes
+        for j in range(len(chain), num_tokens // size):  # ``_block_hash`` and ``_cached``, inline
+            tokens = tuple(seq.token_ids[j * size : (j + 1) * size])
+            if j == len(hashes):
+                hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            block_hash, parent = hashes[j], chain[-1] if chain else 0
+            block = None if (block_id := cached.get(block_hash)) is None else self.blocks[block_id]
+            if block is None or block.parent != parent or block.token_ids != tokens:
+                if block is not None:  # another chain's block under this hash: replaced
+                    self._uncache(block)
                 block = self.blocks[table[j]]
-                block.block_hash, block.token_ids, block.parent = hashes[-1], tokens, parent
-                self.cached_blocks[block.block_hash] = block.block_id
-            chain.append(block)
+                self.num_registrations += 1
+                block.block_hash, block.token_ids = block_hash, tokens
+                block.registration, block.parent = self.num_registrations, parent
+                cached[block_hash] = block.block_id
+            chain.append(block.registration)
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's reference to each of its blocks (finished, aborted or preempted); a block
@@ -205,36 +203,38 @@ class BlockManager:
         so they are evicted before its first ones, which more prompts share."""
         for block_id in reversed(self.block_tables.pop(seq_id)):
             block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than taken")
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
-        self.block_hashes.pop(seq_id)
+            elif block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
         self.chains.pop(seq_id)
+        self.copy_on_write.discard(seq_id)
 
-    def _append_needs_block(self, seq_id: str, num_tokens: int) -> bool:
-        """Whether writing position num_tokens - 1 needs a free block: a new one if the position starts a
-        block, a copy if it lands in a block that others share."""
-        table = self.block_tables[seq_id]
-        return num_tokens > len(table) * self.block_size or self.blocks[table[-1]].ref_count > 1
+    def _block_hash(self, seq: Sequence, j: int, tokens: tuple[int, ...]) -> bytes:
+        """The chained hash of the sequence's full block j (``tokens``), hashed once: kept in
+        ``seq.block_hashes``, which callers extend in order (block j after block j - 1)."""
+        hashes = seq.block_hashes
+        if j == len(hashes):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+        return hashes[j]
 
-    def _cached(self, block_hash: bytes, tokens: tuple[int, ...], parent: Block | None) -> Block | None:
-        """The block registered under ``block_hash`` if it holds this chain's block: ``tokens``, after
-        ``parent`` (the block matched before it; None for a first block). By induction from the first
-        block the whole prefix is confirmed, not only the hash (which only finds the candidate)."""
+    def _cached(self, block_hash: bytes, tokens: tuple[int, ...], parent: int) -> Block | None:
+        """The block registered under ``block_hash`` if it holds this chain's block: ``tokens``, after the
+        registration ``parent`` (the block matched before it; 0 for a first block). By induction from the
+        first block the whole prefix is confirmed, not only the hash (which only finds the candidate); a
+        registration, once dropped, is never anyone's parent again."""
         block_id = self.cached_blocks.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.parent is parent and block.token_ids == tokens else None
+        return block if block.parent == parent and block.token_ids == tokens else None
 
-    def _uncache(self, block_hash: bytes) -> None:
-        """Drop the registration under ``block_hash``, if any. The block gets a new ``Block``: the old one
-        may be the parent of blocks registered after it, which must never match again."""
-        block_id = self.cached_blocks.pop(block_hash, None)
-        if block_id is not None:
-            self.blocks[block_id] = Block(block_id, self.blocks[block_id].ref_count)
+    def _uncache(self, block: Block) -> None:
+        """Drop the block's registration: its hash leaves the cache, so nothing finds it, nor (its number
+        never registered again) any block registered after it as its parent."""
+        del self.cached_blocks[block.block_hash]
+        block.block_hash = None
 
     def _share(self, block_id: int) -> None:
         """One reference more to a block; a cached block that nobody held leaves the free queue."""
@@ -248,12 +248,14 @@ class BlockManager:
         dropped before anything rewrites it. Nothing is taken if fewer are free (RuntimeError)."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV-cache blocks: {n} needed, {self.num_free_blocks} free")
-        taken = []
-        for _ in range(n):
-            block_id = self.free_blocks.popitem(last=False)[0]
-            if self.blocks[block_id].block_hash is not None:  # evicted
-                self._uncache(self.blocks[block_id].block_hash)
-            block = self.blocks[block_id]
-            block.ref_count = 1
-            taken.append(block.block_id)
-        return taken
+        return [self._pop_free() for _ in range(n)]
+
+    def _pop_free(self) -> int:
+        """The block at the front of the free queue, held once; a cached one is evicted (its hash dropped
+        before anything rewrites it). The caller checks that one is free."""
+        block_id = self.free_blocks.popitem(last=False)[0]
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self._uncache(block)
+        block.ref_count = 1
+        return block_id

@@ -113,8 +113,8 @@ class InputBatch:
             if len(table) > self.num_blocks[row]:  # it took a block this step: write that entry only
                 self.block_table_np[row, self.num_blocks[row] : len(table)] = table[self.num_blocks[row] :]
                 self.num_blocks[row] = len(table)
-            if seq.request_id in scheduled.blocks_to_copy:  # its last block is its own copy now
-                self.block_table_np[row, len(table) - 1] = table[-1]
+        for seq_id, (_, own) in scheduled.blocks_to_copy.items():  # its last block is its own copy now
+            self.block_table_np[self.row_of[seq_id], len(block_tables[seq_id]) - 1] = own
 
     def prepare(
         self, scheduled: SchedulerOutput, block_tables: dict[str, list[int]], num_lanes: int

@@ -82,6 +82,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_batched_tokens = 0  # in the last step
+        self.prefilled: list[Sequence] = []  # the last step's prefills
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,8 +91,9 @@ class Scheduler:
         """Pick this step's sequences and reserve the cache blocks they will write."""
         out = SchedulerOutput()
         blocks = self.block_manager
-        for seq in self.running:  # the full blocks the last step computed join the cache
-            blocks.cache_blocks(seq)
+        for seq in self.prefilled:  # the last step (launched) writes their full blocks: they join the cache
+            if not seq.finished:
+                blocks.cache_blocks(seq, len(seq) - 1)
         # 1. Every running sequence decodes one token, oldest first; its token may need a new block, or a
         # copy of a block it shares (copy-on-write: the copy is made before the step writes).
         i = 0
@@ -99,9 +101,7 @@ class Scheduler:
             seq = self.running[i]
             if len(seq) >= seq.max_len:  # its last token is in flight (async scheduling): no position left
                 i += 1
-            elif blocks.can_append(seq.request_id, len(seq)):
-                if (copy := blocks.append(seq.request_id, len(seq))) is not None:
-                    out.blocks_to_copy[seq.request_id] = copy
+            elif blocks.append(seq, out.blocks_to_copy):
                 out.decodes.append(seq)
                 i += 1
             else:  # no block free: the newest running sequence steps back (seq itself, if it is the newest)
@@ -128,6 +128,7 @@ class Scheduler:
                     choice.metrics.first_scheduled_time = time.perf_counter()
             budget -= new_tokens
         self.num_batched_tokens = out.num_batched_tokens
+        self.prefilled = out.prefills
         return out
 
     def finish(self, seq: Sequence) -> None:
@@ -138,7 +139,7 @@ class Scheduler:
             self.waiting.remove(seq)
             return
         self.running.remove(seq)
-        self.block_manager.cache_blocks(seq)
+        self.block_manager.cache_blocks(seq, len(seq) - 1)  # every token but its last is written
         self.block_manager.free(seq.request_id)
 
     def abort(self, seq: Sequence) -> None:
@@ -169,8 +170,8 @@ class Scheduler:
         )
 
     def _preempt(self, seq: Sequence) -> Sequence:
-        self.block_manager.free(seq.request_id)  # its computed full blocks stay cached for its return
-        seq.num_computed_tokens = 0
+        self.block_manager.cache_blocks(seq, len(seq) - 1)  # its full blocks stay cached for its return
+        self.block_manager.free(seq.request_id)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         return seq

@@ -99,10 +99,11 @@ class Sequence:
 
     max_model_len: the most tokens (prompt + output) the request may reach: the context window, or
     less if the KV cache is smaller. generator: the request's own ``torch.Generator`` on ``device`` if
-    it has a seed (so its draws do not depend on other requests), else None. num_computed_tokens: its
-    leading tokens whose keys and values are in its blocks (found cached, or computed by a step that
-    ran); a prefill computes the rest. index, parent, forks: its choice of a request of n > 1
-    (parallel_sampling.py), that ``ParentRequest``, and (choice 0, until admitted) the other choices.
+    it has a seed (so its draws do not depend on other requests), else None. num_computed_tokens: at its
+    admission, its leading tokens found in the prefix cache (a forked choice: all), after which its prefill
+    computes; block_hashes: the chained hashes of its full blocks, as far as hashed (block_manager.py).
+    index, parent, forks: its choice of a request of n > 1 (parallel_sampling.py), that ``ParentRequest``,
+    and (choice 0, until admitted) the other choices.
     """
 
     def __init__(
@@ -139,6 +140,7 @@ class Sequence:
         self.num_sent_tokens = 0  # what earlier DELTA outputs carried
         self.num_sent_chars = 0
         self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []
         self.index, self.parent, self.forks = 0, None, []
         if params.n > 1:
             ParentRequest(
@@ -156,9 +158,7 @@ class Sequence:
         return self.finish_reason is not None
 
     def append(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> None:
-        """Add a sampled token (and its logprobs, if asked for); release text; maybe finish. Every token
-        before it has been computed (the step that sampled it wrote the last one's keys and values)."""
-        self.num_computed_tokens = len(self.token_ids)
+        """Add a sampled token (and its logprobs, if asked for); release text; maybe finish."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
         if self.logprobs is not None:

@@ -61,8 +61,8 @@ def ids(outputs) -> list[list[int]]:
 
 def check_blocks(bm: BlockManager) -> None:
     """The block manager's invariants: each block is held once per table that lists it (never a negative
-    count), free exactly when nobody holds it, registered under its own hash, and a registered block's
-    parent, while it is the pool's block of that id, registered too."""
+    count), free exactly when nobody holds it, registered under its own hash, each registration numbered
+    apart."""
     holders = [0] * bm.num_blocks
     for table in bm.block_tables.values():
         for b in table:
@@ -72,20 +72,18 @@ def check_blocks(bm: BlockManager) -> None:
     assert {h: b for h, b in bm.cached_blocks.items()} == {
         b.block_hash: b.block_id for b in bm.blocks if b.block_hash is not None
     }
-    for b in bm.blocks:
-        if b.block_hash is not None and b.parent is not None and bm.blocks[b.parent.block_id] is b.parent:
-            assert b.parent.block_hash is not None
+    registrations = [b.registration for b in bm.blocks if b.block_hash is not None]
+    assert len(set(registrations)) == len(registrations) and 0 not in registrations
 
 
 class FakeSeq:
-    """What the block manager reads of a sequence: its id, tokens, computed count, and whether it was ever
-    admitted (``metrics.first_scheduled_time``)."""
+    """What the block manager reads and writes of a sequence: its id, tokens, hash chain, computed count,
+    choices waiting to be forked, and whether it was ever admitted (``metrics.first_scheduled_time``)."""
 
     def __init__(self, request_id: str, token_ids: list[int]):
-        self.request_id, self.token_ids = request_id, list(token_ids)
-        self.num_computed_tokens = len(token_ids)
+        self.request_id, self.token_ids, self.block_hashes = request_id, list(token_ids), []
+        self.num_computed_tokens, self.forks = 0, []
         self.metrics = SimpleNamespace(first_scheduled_time=None)
-        self.forks = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -95,11 +93,8 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     bm = BlockManager(num_blocks=6, block_size=2)
     a = FakeSeq("a", [1, 2, 3, 4, 5])
     bm.allocate(a, bm.find_cached_blocks(a))  # nothing cached yet: 3 fresh blocks
-    a.num_computed_tokens = len(a)  # a step computed it
-    bm.cache_blocks(a)  # its two full blocks
-    assert len(bm.cached_blocks) == 2 and bm.block_hashes["a"][1] == hash_block(
-        hash_block(None, [1, 2]), [3, 4]
-    )
+    bm.cache_blocks(a, len(a))  # a step wrote its tokens: its two full blocks
+    assert len(bm.cached_blocks) == 2 and a.block_hashes[1] == hash_block(hash_block(None, [1, 2]), [3, 4])
     # the same tokens after another prefix, or at another position, are another block
     assert bm.find_cached_blocks(FakeSeq("b", [3, 4, 1, 2, 9])) == []
     assert bm.find_cached_blocks(FakeSeq("c", [1, 2, 3, 4, 9, 9])) == bm.block_tables["a"][:2]
@@ -126,16 +121,14 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     bm2 = BlockManager(num_blocks=8, block_size=2)
     g = FakeSeq("g", [1, 2, 3])
     bm2.allocate(g, [])
-    g.num_computed_tokens = len(g)  # a step computed it
-    bm2.cache_blocks(g)
+    bm2.cache_blocks(g, len(g))
     assert bm2.find_cached_blocks(FakeSeq("h", [5, 6, 7])) == []
     assert bm2.find_cached_blocks(FakeSeq("i", [1, 2, 7])) == bm2.block_tables["g"][:1]
     # [1, 2] [1, 2]: the second block's tokens equal the first's, its parent does not (the issue's [0, 0])
     assert bm2.find_cached_blocks(FakeSeq("j", [1, 2, 1, 2, 7])) == bm2.block_tables["g"][:1]
     k = FakeSeq("k", [1, 2, 1, 2, 7])
     bm2.allocate(k, bm2.find_cached_blocks(k))
-    k.num_computed_tokens = len(k)  # a step computed it
-    bm2.cache_blocks(k)  # its second block replaces the first under the one hash: fewer hits, no wrong one
+    bm2.cache_blocks(k, len(k))  # its second block replaces the first under the one hash: fewer hits only
     assert bm2.find_cached_blocks(FakeSeq("l", [1, 2, 1, 2, 7])) == []
     assert bm2.find_cached_blocks(FakeSeq("m", [3, 4, 1, 2, 7])) == []
     check_blocks(bm2)
@@ -153,17 +146,17 @@ def test_a_hash_collision_gives_no_wrong_hit(demo_snapshot, monkeypatch):
     expected = ids(off.generate(prompt_token_ids=[prompt], sampling_params=params))
     on = LLM(model=str(demo_snapshot), block_size=BLOCK, async_scheduling=True)
     tables = []
-    allocate = on.engine.block_manager.allocate
-    monkeypatch.setattr(
-        on.engine.block_manager,
-        "allocate",
-        lambda seq, cached: (
-            allocate(seq, cached) or tables.append(on.engine.block_manager.block_tables[seq.request_id][:2])
-        ),
-    )
+    allocate, bm = on.engine.block_manager.allocate, on.engine.block_manager
+
+    def recording(seq, cached):
+        admitted = allocate(seq, cached)
+        tables.append(bm.block_tables[seq.request_id][:2])
+        return admitted
+
+    monkeypatch.setattr(bm, "allocate", recording)
     for _ in range(3):
         assert ids(on.generate(prompt_token_ids=[prompt], sampling_params=params)) == expected
-    assert all(a != b for a, b in tables), tables
+    assert len(tables) == 3 and all(a != b for a, b in tables), tables
 
 
 def test_fork_and_copy_on_write():
@@ -175,12 +168,11 @@ def test_fork_and_copy_on_write():
     assert bm.block_tables["q"] == bm.block_tables["p"] and [b.ref_count for b in bm.blocks[:2]] == [2, 2]
     for seq in (p, q):
         seq.token_ids.append(7)  # position 6 lands in the shared block
-    shared = bm.block_tables["p"][1]
-    copy = bm.append("p", len(p))
-    assert copy == (shared, bm.block_tables["p"][1]) and copy[1] != shared
-    assert (
-        bm.append("q", len(q)) is None and bm.block_tables["q"][1] == shared
-    )  # the last holder writes in place
+    shared, copies = bm.block_tables["p"][1], {}
+    assert bm.append(p, copies) and copies == {"p": (shared, bm.block_tables["p"][1])} != {
+        "p": (shared, shared)
+    }
+    assert bm.append(q, copies) and len(copies) == 1 and bm.block_tables["q"][1] == shared  # the last holder
     check_blocks(bm)
 
 
@@ -238,10 +230,58 @@ def test_fully_cached_prompt_computes_its_last_token(llm, oracle):
         assert ids(first) == ids(second) == ids(expected)
 
 
+def test_each_block_hashed_once_and_no_work_for_unchanged_sequences(tiny_snapshot, monkeypatch):
+    """Each full block of a sequence is hashed once, however often it waits at the head of the queue or is
+    preempted and readmitted (its hashes stay with it), and a step that completes no block registers
+    nothing: the block manager does no per-step work for sequences whose blocks did not change."""
+    import step9_prefix_cache.block_manager as block_manager
+
+    hashed, registering = [], []
+    hash_block = block_manager.hash_block
+    monkeypatch.setattr(block_manager, "hash_block", lambda p, t: hashed.append(t) or hash_block(p, t))
+    engine = LLMEngine(
+        model=str(tiny_snapshot), async_scheduling=True, max_num_seqs=2, block_size=BLOCK, num_kv_blocks=7
+    )
+    cache_blocks = engine.block_manager.cache_blocks
+    monkeypatch.setattr(
+        engine.block_manager, "cache_blocks", lambda seq, n: registering.append(seq) or cache_blocks(seq, n)
+    )
+    prompts = [[100 * i + j for j in range(9)] for i in range(1, 5)]  # distinct: nothing shared
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"h{i}", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    quiet_steps = 0
+    while engine.has_unfinished_requests():
+        registering.clear()
+        engine.step()
+        if engine.scheduler.running and not registering:  # a step that completed no block
+            quiet_steps += 1
+    assert engine.stats.num_preemptions > 0 and quiet_steps > 10
+    blocks = [tuple(p + [0] * 12)[j * BLOCK : (j + 1) * BLOCK] for p in prompts for j in range(5)]
+    assert len(hashed) == len(set(hashed)) <= len(blocks)  # no block hashed twice
+
+
+def test_a_finished_sequence_leaves_its_generated_blocks_cached(llm, oracle):
+    """A sequence's blocks, its generated tokens' included, join the cache when it finishes: a prompt that
+    continues it (a chat's next turn: prompt + output + more) finds every full block of them, and gives
+    step 8's ids."""
+    prompt = llm.get_tokenizer().encode("Dictionaries map keys to values, and lists hold")[:9]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    (first,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+    turn = prompt + first.outputs[0].token_ids + [2100, 2101]  # 23 tokens: 5 full blocks before the last
+    before = llm.engine.stats.prefix_cache_hits
+    ours = llm.generate(prompt_token_ids=[turn], sampling_params=params)
+    assert llm.engine.stats.prefix_cache_hits - before == (9 + 12 - 1) // BLOCK * BLOCK
+    theirs = oracle.generate(
+        prompt_token_ids=[turn],
+        sampling_params=step8_async_scheduling.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    )
+    assert ids(ours) == ids(theirs)
+
+
 def test_eviction_under_a_small_pool(demo_snapshot, oracle):
     """A pool of 18 blocks of 4 tokens: an earlier prompt's cached blocks are evicted while four requests
-    share a 12-token prefix (its blocks, in use, stay; the first request computes them, the others, two
-    steps later, find them), with preemption; ids are step 8's; the invariants hold after every step, and at
+    share a 12-token prefix (its blocks, in use, stay; the first request computes them, the others, a step
+    later, find them), with preemption; ids are step 8's; the invariants hold after every step, and at
     the end no block is in use."""
     engine = LLMEngine(
         model=str(demo_snapshot), block_size=BLOCK, num_kv_blocks=18, max_num_seqs=4, async_scheduling=True
@@ -256,7 +296,7 @@ def test_eviction_under_a_small_pool(demo_snapshot, oracle):
         out, step = {}, 0
         engine.add_request(f"{len(batch)}-0", batch[0], params)
         while engine.has_unfinished_requests():
-            if step == 2:
+            if step == 1:
                 for i, p in enumerate(batch[1:], 1):
                     engine.add_request(f"{len(batch)}-{i}", p, params)
             step += 1
