@@ -69,6 +69,11 @@ BENCHMARKS = {
         "9",
         "what the prefix cache buys on a shared prefix, and costs when nothing is shared (vs step 8)",
     ),
+    "engine_core": (
+        "benchmarks.engine_core",
+        "10",
+        "the engine core in its own process: server tok/s, TTFT, ITL at 1-256 streams vs in process",
+    ),
 }
 
 

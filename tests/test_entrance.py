@@ -90,7 +90,7 @@ sent = []
 
 def ctrl_c(event, args):
     at = (event == "import" and args[0] == AT) or (event == "open" and str(args[0]).endswith(AT))
-    if at and not sent:
+    if at and not sent and "--parent-pid" not in sys.argv:  # not step 10's engine core: its own session
         sent.append(event)
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -98,7 +98,7 @@ def ctrl_c(event, args):
 sys.addaudithook(ctrl_c)
 """
 CLI_ARGS = {"step0_model": ["x"], **{s: ["x", "--max-tokens", "2"] for s in STEP_NAMES}}
-for step in STEP_NAMES[5:]:  # steps 6-9: the server
+for step in STEP_NAMES[5:]:  # steps 6 on: the server
     CLI_ARGS[step] = ["--port", "0"]
 SAFETY_NET_S = 600  # a hung process fails its test instead of the run; never a measure
 

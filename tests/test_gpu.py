@@ -28,6 +28,7 @@ STEPS = [
     "step7_cuda_graphs",
     "step8_async_scheduling",
     "step9_prefix_cache",
+    "step10_engine_core",
 ]
 PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised"]
 
@@ -80,11 +81,25 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
         "step7_cuda_graphs",
         "step8_async_scheduling",
         "step9_prefix_cache",
+        "step10_engine_core",
     ],
 )
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_agrees_in_top5(step, dtype, demo_snapshot):
     top5_agree(step, demo_snapshot, dtype)
+
+
+def test_step10_engine_core_process_on_gpu_equals_step9(demo_snapshot):
+    """The engine core in a child process on CUDA (CUDA graphs, async scheduling): step 9's greedy ids (fp32:
+    the child may batch the first step's requests differently, which moves fp16 logits in their last bits)."""
+    step9, step10 = (importlib.import_module(s) for s in ("step9_prefix_cache", "step10_engine_core"))
+    args = dict(model=str(demo_snapshot), device="cuda")
+    fields = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    theirs = step9.LLM(**args).generate(PROMPTS, step9.SamplingParams(**fields))
+    llm = step10.LLM(multiprocessing=True, **args)
+    ours = llm.generate(PROMPTS, step10.SamplingParams(**fields))
+    llm.engine_core.shutdown()
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
 
 
 SYNC_BUDGET = (

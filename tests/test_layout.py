@@ -120,6 +120,24 @@ UNCHANGED_FROM_PREVIOUS = {
         "protocol.py",
         "__main__.py",
     ],
+    # step 10 moves the step loop into a process of its own and the text out of it: the sequence loses
+    # detokenization and stop strings, the engine returns token ids, the server and LLM talk to the core;
+    # the scheduler, the block manager, the model, its runner, the kernels, the wire types and the page stay
+    "step10_engine_core": [
+        "sampling_params.py",
+        "sampler.py",
+        "scheduler.py",
+        "block_manager.py",
+        "kv_cache.py",
+        "model.py",
+        "model_runner.py",
+        "input_batch.py",
+        "cuda_graph.py",
+        "kernels.py",
+        "protocol.py",
+        "metrics.py",
+        "static/index.html",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
@@ -127,6 +145,7 @@ MECHANISM_TESTS = {
     "step7_cuda_graphs": "test_cuda_graphs.py",
     "step8_async_scheduling": "test_async_scheduling.py",
     "step9_prefix_cache": "test_prefix_cache.py",
+    "step10_engine_core": "test_engine_core.py",
 }
 # One file per serving concept, named alike in every generating step (the root README's Layout), so that a
 # diff lands in the file named for its mechanism.
@@ -155,6 +174,7 @@ def test_layout():
         "step7_cuda_graphs",
         "step8_async_scheduling",
         "step9_prefix_cache",
+        "step10_engine_core",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):

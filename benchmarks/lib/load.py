@@ -172,7 +172,7 @@ async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
         )
         wall = time.perf_counter() - t0
         steps = (await http.get(f"{url}/v1/engine/stats")).json()["steps"] - steps_before
-    return {"wall_s": wall, "steps": steps, "requests": sorted(records, key=lambda x: x["index"])}
+    return {"wall_s": wall, "steps": steps, "t0": t0, "requests": sorted(records, key=lambda x: x["index"])}
 
 
 def summarise(run: dict) -> dict:
