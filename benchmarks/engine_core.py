@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import gc
 import importlib
+import multiprocessing
 import os
 import random
 import time
@@ -185,7 +186,12 @@ def bench_model(name, device, dtype, runs, streams, prompt_tokens, max_tokens, o
         del engine
         gc.collect()
     extra = ("--dtype", dtype, "--max-num-seqs", str(seqs))
-    with ExitStack() as stack, concurrent.futures.ProcessPoolExecutor(2 * CLIENTS) as pool:
+    with (
+        ExitStack() as stack,
+        concurrent.futures.ProcessPoolExecutor(
+            2 * CLIENTS, mp_context=multiprocessing.get_context("spawn")
+        ) as pool,
+    ):
         urls = {s: stack.enter_context(ServerProcess(folder, device, s, extra)) for s in STEPS}
         for n in streams:
             reqs = workloads_by_n[n]
