@@ -22,11 +22,10 @@ from .sequence import Sequence
 
 @dataclass
 class SchedulerOutput:
-    """One step's work. prefills: sequences whose tokens go through the model from
-    ``num_computed_tokens`` on (new, or readmitted after preemption; a forked choice right after its
-    first, with none); decodes: running sequences that feed their newest token; preempted: sequences sent
-    back to the waiting queue in this step. blocks_to_copy: sequence id -> (source, destination) block,
-    the copies-on-write to make before this step writes anything."""
+    """One step's work. prefills: sequences whose uncached tokens go through the model (new, or readmitted
+    after preemption); decodes: running sequences that feed their newest token; preempted: sequences
+    sent back to the waiting queue in this step. blocks_to_copy: sequence id -> (source, destination)
+    block, the copies-on-write to make before this step writes."""
 
     prefills: list[Sequence] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
@@ -46,9 +45,8 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
-    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass;
-    prefix cache: prompt tokens of the requests admitted since the start (queries) and those found cached
-    (hits), and the blocks registered now (in use or free)."""
+    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass,
+    prompt tokens admitted since the start (queries), of them those found cached (hits), blocks cached."""
 
     num_running_reqs: int
     num_waiting_reqs: int
@@ -94,18 +92,18 @@ class Scheduler:
         for seq in self.prefilled:  # the last step (launched) writes their full blocks: they join the cache
             if not seq.finished:
                 blocks.cache_blocks(seq, len(seq) - 1)
-        # 1. Every running sequence decodes one token, oldest first; its token may need a new block, or a
-        # copy of a block it shares (copy-on-write: the copy is made before the step writes).
+        # 1. Every running sequence decodes one token, oldest first; its token may need a new block.
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             if len(seq) >= seq.max_len:  # its last token is in flight (async scheduling): no position left
                 i += 1
-            elif blocks.append(seq, out.blocks_to_copy):
+            elif blocks.append(seq.request_id, len(seq)):
                 out.decodes.append(seq)
                 i += 1
             else:  # no block free: the newest running sequence steps back (seq itself, if it is the newest)
                 out.preempted.append(self._preempt(self.running.pop()))
+        out.blocks_to_copy, blocks.blocks_to_copy = blocks.blocks_to_copy, {}
         # 2. Admit waiting requests in arrival order while all three limits allow; no overtaking. Not when
         # memory is short (someone was preempted): admitting anyone now would only preempt again.
         budget = self.max_num_batched_tokens - len(out.decodes)

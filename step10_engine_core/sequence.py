@@ -135,7 +135,7 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.num_sent_tokens = 0  # what earlier outputs carried
         self.num_computed_tokens = 0
-        self.block_hashes: list[bytes] = []
+        self.block_hashes: list[int] = []
         self.index, self.parent, self.forks = 0, None, []
         if params.n > 1:
             ParentRequest(

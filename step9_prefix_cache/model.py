@@ -3,10 +3,10 @@
 Radford et al. 2019, "Language Models are Unsupervised Multitask Learners": embeddings, pre-LayerNorm blocks
 (causal self-attention, then a tanh-GELU MLP, each added to the residual), a final LayerNorm, a tied LM head.
 
-A flattened batch of N new tokens of S sequences, no padding (prompts past their cached blocks, the running
-sequences' newest tokens): keys and values go to the paged KV cache at the engine's slots; attention reads
-each sequence's back through its block table (kernels.py's Triton kernel on a GPU, step 4's gather and SDPA
-elsewhere: over the cached context too); only each sequence's last token gets logits.
+A flattened batch of N new tokens of S sequences, no padding (new prompts, the running sequences' newest
+tokens): keys and values go to the paged KV cache at the engine's slots; attention reads each sequence's back
+through its block table (kernels.py's Triton kernel on a GPU, step 4's gather and SDPA elsewhere); only each
+sequence's last token gets logits.
 Shapes: N tokens, S sequences, T tokens of one, L its length, C = n_embd, H = n_head, D = C / H, V vocab.
 """
 
@@ -168,11 +168,9 @@ def paged_attention(
     """Causal attention of every new token over its own sequence: step 4's plain-PyTorch backend ("torch").
 
     q, k, v: [N, H, D], the new tokens' (already written into kv_cache). Returns [N, H, D].
-    A prefill runs one sequence at a time. One that covers its whole sequence attends over its own new
-    tokens with the usual causal mask; one whose leading blocks came from the prefix cache reads all its
-    keys and values back through its block table (the cached ones and its new ones, just written), each
-    new token at position L - T + i seeing keys 0 .. that position; a forked choice (no new token) has no
-    rows. The decodes run
+    A prefill runs one sequence at a time: its tokens attend to each other with the usual causal mask, or,
+    if its leading blocks came from the prefix cache, to all its L keys, read back through its block table
+    (new token i, at L - T + i, sees keys 0 .. L - T + i); a forked choice has none. The decodes run
     together, one query each, over keys and values read back from the cache through their block tables,
     with the keys past each sequence's length masked out; only slots a sequence has written are read
     (``written_slots``).
@@ -181,22 +179,19 @@ def paged_attention(
     P = meta.num_prefills
     for i in range(P):
         a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        if a == b:
+        if a == b:  # a forked choice: no new token
             continue
-        L = meta.prefill_seq_lens[i]
-        if L == b - a:  # no cached context
-            qi, ki, vi = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, T, D]
-            ys.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1))  # [T, H, D]
+        if (L := meta.prefill_seq_lens[i]) > b - a:  # cached context: every key read back, a copy
+            pos, bs = torch.arange(L, device=q.device), kv_cache.block_size  # [L] key positions
+            slots = meta.block_tables[i, pos // bs] * bs + pos % bs  # [L]
+            ki = kv_cache.k[layer].flatten(0, 1)[slots].transpose(0, 1)  # [H, L, D]
+            vi = kv_cache.v[layer].flatten(0, 1)[slots].transpose(0, 1)  # [H, L, D]
+            visible = pos[None, :] <= (L - (b - a) + torch.arange(b - a, device=q.device))[:, None]  # [T, L]
+            y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), ki, vi, attn_mask=visible)  # [H, T, D]
+            ys.append(y.transpose(0, 1))  # [T, H, D]
             continue
-        pos = torch.arange(L, device=q.device)  # [L] key positions
-        slots = (
-            meta.block_tables[i, pos // kv_cache.block_size] * kv_cache.block_size + pos % kv_cache.block_size
-        )
-        ki = kv_cache.k[layer].flatten(0, 1)[slots].transpose(0, 1)  # [H, L, D], a copy
-        vi = kv_cache.v[layer].flatten(0, 1)[slots].transpose(0, 1)  # [H, L, D]
-        visible = pos[None, :] <= (L - (b - a) + torch.arange(b - a, device=q.device))[:, None]  # [T, L]
-        y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), ki, vi, attn_mask=visible)  # [H, T, D]
-        ys.append(y.transpose(0, 1))  # [T, H, D]
+        qi, ki, vi = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, T, D]
+        ys.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1))  # [T, H, D]
     if P < len(meta.query_start_loc) - 1:
         a = meta.query_start_loc[P]
         # each key position's slot, or past a sequence's length one it has written: [S_d, M * block_size]

@@ -140,7 +140,7 @@ class Sequence:
         self.num_sent_tokens = 0  # what earlier DELTA outputs carried
         self.num_sent_chars = 0
         self.num_computed_tokens = 0
-        self.block_hashes: list[bytes] = []
+        self.block_hashes: list[int] = []
         self.index, self.parent, self.forks = 0, None, []
         if params.n > 1:
             ParentRequest(

@@ -94,7 +94,7 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     a = FakeSeq("a", [1, 2, 3, 4, 5])
     bm.allocate(a, bm.find_cached_blocks(a))  # nothing cached yet: 3 fresh blocks
     bm.cache_blocks(a, len(a))  # a step wrote its tokens: its two full blocks
-    assert len(bm.cached_blocks) == 2 and a.block_hashes[1] == hash_block(hash_block(None, [1, 2]), [3, 4])
+    assert len(bm.cached_blocks) == 2 and a.block_hashes[1] == hash_block(hash_block(None, (1, 2)), (3, 4))
     # the same tokens after another prefix, or at another position, are another block
     assert bm.find_cached_blocks(FakeSeq("b", [3, 4, 1, 2, 9])) == []
     assert bm.find_cached_blocks(FakeSeq("c", [1, 2, 3, 4, 9, 9])) == bm.block_tables["a"][:2]
@@ -168,11 +168,11 @@ def test_fork_and_copy_on_write():
     assert bm.block_tables["q"] == bm.block_tables["p"] and [b.ref_count for b in bm.blocks[:2]] == [2, 2]
     for seq in (p, q):
         seq.token_ids.append(7)  # position 6 lands in the shared block
-    shared, copies = bm.block_tables["p"][1], {}
-    assert bm.append(p, copies) and copies == {"p": (shared, bm.block_tables["p"][1])} != {
+    shared, copies = bm.block_tables["p"][1], bm.blocks_to_copy
+    assert bm.append("p", len(p)) and copies == {"p": (shared, bm.block_tables["p"][1])} != {
         "p": (shared, shared)
     }
-    assert bm.append(q, copies) and len(copies) == 1 and bm.block_tables["q"][1] == shared  # the last holder
+    assert bm.append("q", len(q)) and len(copies) == 1 and bm.block_tables["q"][1] == shared  # last holder
     check_blocks(bm)
 
 
