@@ -580,12 +580,14 @@ class Cli:
         )
 
     def start(self) -> Cli:
-        first = self.proc.stdout.readline()
-        match = re.search(r"engine core: pid (\d+), sockets in (\S+)", first)
-        assert match, first + self.proc.stderr.read()
+        # the start-up lines: serving ... on <url>, engine: <features>, engine core: pid ..., try: curl ...
+        lines = "".join(self.proc.stdout.readline() for _ in range(4))
+        match = re.search(r"engine core: pid (\d+), sockets in (\S+)", lines)
+        if match is None:
+            self.proc.kill()  # then its stderr ends, and the assertion shows it
+            assert match, lines + self.proc.stderr.read()
         self.core_pid, self.socket_dir = int(match.group(1)), match.group(2)
-        self.url = re.search(r"http://127\.0\.0\.1:\d+", self.proc.stdout.readline()).group(0)
-        self.proc.stdout.readline()  # the curl line
+        self.url = re.search(r"http://127\.0\.0\.1:\d+", lines).group(0)
         wait_until(self.answers, "the server never answered")
         return self
 

@@ -69,7 +69,7 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
         )
         with torch.inference_mode():
             ref_top = ref_model(ids)[0, -1].topk(5).indices.tolist()
-            low_top = ref_model.to(low.model.wte.weight.dtype)(ids)[0, -1].topk(5).indices.tolist()
+            low_top = ref_model.to(getattr(torch, dtype))(ids)[0, -1].topk(5).indices.tolist()
         assert b.outputs[0].token_ids[i] in ref_top and a.outputs[0].token_ids[i] in low_top, (prompt, i)
 
 
