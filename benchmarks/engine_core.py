@@ -1,12 +1,9 @@
 """Step 10: what the engine core in its own process buys a client of the HTTP server, and ``LLM``.
 
-The servers of steps 8, 9 and 10 (one ``python -m <step>`` each, started once), alternated run by run, at
-1, 16, 64 and 256 streams in flight (``STREAMS``); each request a streaming ``POST /v1/completions`` of 32
-random ids and exactly 128 new tokens (greedy, ``ignore_eos``). The load comes from ``CLIENTS`` processes
-(each streams its share; one process for one stream), and, for step 10, from twice as many too: a figure
-that moves by under 10% is the server's, not the load's. Beside each point, each engine in process at the
-same concurrency (``lib/load.run_in_process``; step 10's core and frontend in one process). Then
-``LLM.generate`` of 256 requests of 512 + 256 tokens: step 9, step 10 in process, step 10 multiprocess.
+The servers of steps 8, 9 and 10, alternated, at 1, 16, 64 and 256 streams (32 random ids + exactly 128
+greedy tokens each), the load from ``CLIENTS`` processes and, for step 10, twice as many (a figure that
+moves by under 10% is the server's); beside each point each engine in process at the same concurrency.
+Then ``LLM.generate`` of 256 x (512 + 256): step 9, step 10 in process, step 10 multiprocess.
 
     python -m benchmarks engine_core --device cuda --runs 3
     python -m benchmarks engine_core --quick          # CPU, the demo, 1 run, short requests

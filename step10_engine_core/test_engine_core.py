@@ -1,16 +1,11 @@
 """Step 10 tests: the engine core in its own process gives step 9's outputs, and every fault ends cleanly.
 
-The oracle is step 9's engine, in process. Through ``LLM`` (the core in this process, and in a child
-process) and through the server (the core always in a child process): greedy and seeded outputs, stop
-strings and stop tokens, n choices, logprobs, aborts, preemption, prefix-cache hits, streamed and not, equal
-step 9's. The frontend's parts alone: stop strings across tokens, ``stream_interval``, the collector that
-merges what a lagging handler has not taken. The messages are msgspec's, never pickle.
-
-Faults, each with its processes: the engine core killed (``kill -9``: every open stream ends with an error
-event and ``[DONE]``, ``/health`` and new requests get 503, the command line exits 1), a step that raises
-(the core says why and exits 1), the server killed (the core exits, its sockets are removed), SIGTERM and
-SIGINT (both processes gone, no socket left), an engine that cannot start (its error, exit status 2, no
-process left), a client that disconnects (its request aborted in the core: nothing running, no KV block in
+The oracle is step 9's engine, in process. Through ``LLM`` (the core in this process and in a child) and the
+server (the core in a child): greedy and seeded outputs, stop strings and tokens, n choices, logprobs,
+aborts, preemption, prefix-cache hits, streamed and not. The frontend's parts alone: stop strings across
+tokens, ``stream_interval``, the collector. Faults, as processes: the core killed (streams end with an error
+event and ``[DONE]``, 503s, exit 1), a step that raises, the server killed (the core exits, no socket left),
+SIGTERM and SIGINT, an engine that cannot start, a client that disconnects (nothing running, no KV block in
 use). Waits poll for the event with a generous bound (``SAFETY_NET_S``), never a fixed sleep.
 """
 

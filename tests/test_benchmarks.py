@@ -683,7 +683,7 @@ def test_front_door_lists_every_benchmark_with_its_quick_command():
         module = importlib.import_module(module_name)
         assert module.NAME == name and module_name == f"benchmarks.{name}"
         assert "quick" in inspect.signature(module.main).parameters
-        assert re.fullmatch(r"\d(-\d)?", step) and question
+        assert re.fullmatch(r"\d+(-\d+)?", step) and question
     readme = (folder / "README.md").read_text()
     rows = re.findall(
         r"^\| ([\d-]+) \| \[`(\w+)`\]\(\2\.py\) \| [^|]+ \| `python -m benchmarks \2( [^`]*)? --quick` \|",
