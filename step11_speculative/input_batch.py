@@ -111,12 +111,17 @@ class InputBatch:
             self.num_blocks[row] = len(table)
         for seq in scheduled.verifies + scheduled.decodes:
             row, table = self.row_of[seq.request_id], block_tables[seq.request_id]
-            if len(table) != self.num_blocks[row]:  # it took blocks this step (or gave rejected ones back)
-                written = min(self.num_blocks[row], len(table))
-                self.block_table_np[row, written : len(table)] = table[written:]  # the new entries only
+            if len(table) > self.num_blocks[row]:  # it took a block this step: write that entry only
+                self.block_table_np[row, self.num_blocks[row] : len(table)] = table[self.num_blocks[row] :]
                 self.num_blocks[row] = len(table)
         for seq_id, (_, own) in scheduled.blocks_to_copy.items():  # its last block is its own copy now
             self.block_table_np[self.row_of[seq_id], len(block_tables[seq_id]) - 1] = own
+
+    def trim(self, seq_id: str, num_blocks: int) -> None:
+        """The sequence gave its blocks past its first ``num_blocks`` back (``BlockManager.trim``): the
+        entries past them are stale, and the next block it takes is written at ``num_blocks``."""
+        row = self.row_of[seq_id]
+        self.num_blocks[row] = min(self.num_blocks[row], num_blocks)
 
     def prepare(
         self, scheduled: SchedulerOutput, block_tables: dict[str, list[int]], num_lanes: int

@@ -80,9 +80,10 @@ def rejection_sample(
             j = torch.tensor(s_draft, dtype=torch.long).to(device, non_blocking=True)
             rows, ids = d_rows[j], draft_ids[j]  # [Rs] the sampled rows that judge a draft, and the drafts
             p_d = warped[rows].softmax(dim=-1).gather(1, ids[:, None])[:, 0]  # [Rs] p(d); q(d) = 1
-            u = torch.empty(len(s_draft), device=device)  # [Rs] uniforms, each from its lane's generator
-            for n, i in enumerate(s_draft):
-                u[n : n + 1].uniform_(generator=row_gens[draft_rows[i]])  # None: torch's default generator
+            u = torch.rand(len(s_draft), device=device)  # [Rs] uniforms: torch's default generator...
+            for n, i in enumerate(s_draft):  # ...or, for a seeded lane, its own
+                if (gen := row_gens[draft_rows[i]]) is not None:
+                    u[n : n + 1].uniform_(generator=gen)
             accept[rows] = u < p_d
             # the residual max(p - onehot(d), 0), normalised: p without d (unless d held all the mass, when
             # the draft is accepted for sure and the residual is never read)

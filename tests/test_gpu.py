@@ -29,6 +29,7 @@ STEPS = [
     "step8_async_scheduling",
     "step9_prefix_cache",
     "step10_engine_core",
+    "step11_speculative",
 ]
 PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised"]
 
@@ -82,6 +83,7 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
         "step8_async_scheduling",
         "step9_prefix_cache",
         "step10_engine_core",
+        "step11_speculative",
     ],
 )
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
