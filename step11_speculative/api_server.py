@@ -247,6 +247,16 @@ def build_app(
             "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries
             if s.prefix_cache_queries
             else 0.0,
+            "spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "spec_decode_acceptance_rate": s.spec_decode_num_accepted_tokens / s.spec_decode_num_draft_tokens
+            if s.spec_decode_num_draft_tokens
+            else 0.0,
+            "spec_decode_mean_acceptance_length": 1
+            + s.spec_decode_num_accepted_tokens / s.spec_decode_num_drafts
+            if s.spec_decode_num_drafts
+            else 0.0,
             "steps": s.steps,
             "max_running": s.max_running,
             "max_model_len": server.max_model_len,

@@ -83,6 +83,10 @@ class LoopStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens admitted since start
     prefix_cache_hits: int = 0  # of them, found in the prefix cache
+    spec_decode_num_drafts: int = 0  # speculative verifications since start
+    spec_decode_num_draft_tokens: int = 0  # tokens they proposed
+    spec_decode_num_accepted_tokens: int = 0  # of them, accepted
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     steps: int = 0
     max_running: int = 0  # the largest running batch since start: concurrent requests did share steps
 
@@ -274,6 +278,10 @@ class AsyncEngine:
             s.num_preemptions,
             s.prefix_cache_queries,
             s.prefix_cache_hits,
+            s.spec_decode_num_drafts,
+            s.spec_decode_num_draft_tokens,
+            s.spec_decode_num_accepted_tokens,
+            s.spec_decode_num_accepted_tokens_per_pos,
             prev.steps + 1,
             max(prev.max_running, s.num_running_reqs),
         )
@@ -286,6 +294,17 @@ class AsyncEngine:
                 self.metrics.preemptions.inc(s.num_preemptions - prev.num_preemptions)
             self.metrics.prefix_cache_queries.inc(s.prefix_cache_queries - prev.prefix_cache_queries)
             self.metrics.prefix_cache_hits.inc(s.prefix_cache_hits - prev.prefix_cache_hits)
+            self.metrics.spec_drafts.inc(s.spec_decode_num_drafts - prev.spec_decode_num_drafts)
+            self.metrics.spec_draft_tokens.inc(
+                s.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+            )
+            self.metrics.spec_accepted_tokens.inc(
+                s.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+            )
+            before = prev.spec_decode_num_accepted_tokens_per_pos
+            for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                if n > (seen := before[i] if i < len(before) else 0):
+                    self.metrics.spec_accepted_at(i, n - seen)
 
 
 class RequestStream:

@@ -8,8 +8,7 @@ Async scheduling (vLLM's ``async_scheduling``, SGLang's overlap scheduler): ``st
 processes step N-1's tokens while the GPU runs step N. A sequence of step N-1 counts its token in flight (a
 placeholder) that its decode lane takes on the device; no position past its max_tokens-th token is scheduled,
 one that a stop ends at N-1 may get one (its token dropped). A step after a penalised one waits for it.
-Speculative decoding (``speculative_config``): before scheduling, the proposer drafts k tokens for each
-running sequence; the step verifies them; the accepted ones are appended, the rest rolled back.
+Speculation: a step verifies each running sequence's drafts (``propose``), keeps the accepted tokens.
 """
 
 from __future__ import annotations

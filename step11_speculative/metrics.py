@@ -16,7 +16,10 @@ class ServerMetrics:
     Gauges: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
     (0..1). Counters (exposed with the suffix ``_total``): ``vllm:num_preemptions``, ``vllm:prompt_tokens``,
     ``vllm:generation_tokens``, ``vllm:request_success`` (+ label ``finished_reason``: stop, length, abort),
-    ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` (tokens: hits / queries is the hit rate).
+    ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` (tokens: hits / queries is the hit rate),
+    ``vllm:spec_decode_num_drafts`` (verifications), ``vllm:spec_decode_num_draft_tokens``,
+    ``vllm:spec_decode_num_accepted_tokens``, ``vllm:spec_decode_num_accepted_tokens_per_pos`` (+ label
+    ``position``: 0 for the first draft).
     Histograms, seconds, measured by the server's clock (``time.perf_counter``) from the moment the handler
     submitted the request: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
     (between two outputs of a choice: n series for n choices), ``vllm:e2e_request_latency_seconds``,
@@ -51,6 +54,15 @@ class ServerMetrics:
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative verifications (one per lane).")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            ["model_name", "position"],
+            registry=r,
+        )
         self._success = Counter(
             "vllm:request_success",
             "Requests finished, by finish reason.",
@@ -138,6 +150,10 @@ class ServerMetrics:
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
+
+    def spec_accepted_at(self, position: int, n: int) -> None:
+        """n more drafts accepted at ``position`` (0: a verification's first draft)."""
+        self._spec_accepted_per_pos.labels(model_name=self._model_name, position=str(position)).inc(n)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
