@@ -2,13 +2,12 @@
 
 Continuous batching over a paged KV cache: every ``step`` asks the ``Scheduler`` which requests run (from
 the prompt blocks found in the prefix cache; n choices share one prefill), the ``ModelRunner`` runs them as
-one flat batch, finished requests retire at once; ``step`` returns token ids (engine_core.py drives it).
+one flat batch (drafts verified: ``propose``), finished requests retire; ``step`` returns ids (engine_core).
 
 Async scheduling (vLLM's ``async_scheduling``, SGLang's overlap scheduler): ``step`` N launches step N, then
 processes step N-1's tokens while the GPU runs step N. A sequence of step N-1 counts its token in flight (a
 placeholder) that its decode lane takes on the device; no position past its max_tokens-th token is scheduled,
 one that a stop ends at N-1 may get one (its token dropped). A step after a penalised one waits for it.
-Speculation: a step verifies each running sequence's drafts (``propose``), keeps the accepted tokens.
 """
 
 from __future__ import annotations

@@ -4,11 +4,10 @@ One int64 buffer, allocated once, holds every input of a step, on the host (pinn
 and on the device, for a CUDA graph replays fixed addresses (vLLM v1's persistent batch). A running sequence
 owns a *row* of a persistent block table, written when it joins and at each new block; per step the host
 writes the lanes' fields, one copy moves them. Padding lanes own nothing (token 0 at position 0, the scratch
-slot, length 1, ``PADDING_ROW``). Shapes: T tokens a step, R rows, M blocks a row.
+slot, length 1, ``PADDING_ROW``); verifications are prefills. Shapes: T tokens a step, R rows, M blocks a row.
 
 Step 8: decode lanes' ids are gathered on the device, ``input_ids[lane] = last_token[rows[lane]]`` (the
 sampler fills ``last_token`` [R + 1] by row); ``prepare`` waits for the last copy's event before writing.
-Step 11: a verification lane is a prefill over cached context: its last token and its drafts.
 """
 
 from __future__ import annotations

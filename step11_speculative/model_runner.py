@@ -3,10 +3,7 @@
 A step's sequences are one flat batch of new tokens over the paged KV cache (starting prompts, decoding
 sequences' newest tokens), its inputs in persistent buffers copied once per step (input_batch.py). A
 decode-only step is padded to a rung of the capture ladder and replays its CUDA graph (cuda_graph.py), or the
-same padded pass eagerly (a CPU, ``enforce_eager``); prefill steps run eagerly.
-
-Speculative decoding: verification lanes run with the prefills (eagerly), with logits at every position;
-the rejection sampler (rejection_sampler.py) decides their tokens on the device.
+same padded pass eagerly (a CPU, ``enforce_eager``); prefills and verifications (rejection_sampler.py) too.
 
 Async scheduling: ``launch`` enqueues a step and returns: the forward, ``sample_on_device``, the ids
 scattered into ``InputBatch.last_token`` (where the next step's decode lanes gather theirs), a non-blocking

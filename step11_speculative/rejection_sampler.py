@@ -2,15 +2,12 @@
 
 Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318). One forward pass gave the
 target's logits after the last accepted token and after each of the k drafts: rows 0..k of a lane. Row i
-judges draft i + 1; row k gives the bonus token, drawn when all k are accepted.
-
+judges draft i + 1; row k gives the bonus token, drawn when all k are accepted. On the device, no wait.
     greedy   accept draft d while d == argmax(row); at the first mismatch emit that argmax
     sampled  p = the row's warped distribution (temperature, top-k, top-p, min-p: the sampler's stages);
              accept d with probability min(1, p(d) / q(d)); on a rejection draw from max(p - q, 0),
              normalised. Prompt lookup has no q of its own: q is one-hot on d, so d is accepted with
              probability p(d) and the residual is p without d. Either way the token's law is p's.
-
-Everything stays on the device (no wait): the host reads one small tensor per step, with the sampler's.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ blocks go back and it returns to the front of the waiting queue with the tokens 
 again when it is readmitted (preemption by recompute, as in vLLM), so it carries on where it stopped.
 Prefix caching: a request is admitted with the leading full blocks of its tokens found cached and prefills
 the rest; a request of n choices is admitted with room for all n and prefilled once (block_manager.py).
-Speculative decoding: a running request with drafts is verified (its last token and drafts in one pass)
-with room for them all, or, if that room is missing, decodes plainly without them.
 """
 
 from __future__ import annotations

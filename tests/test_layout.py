@@ -139,18 +139,15 @@ UNCHANGED_FROM_PREVIOUS = {
         "static/index.html",
     ],
     # step 11 drafts tokens and verifies them in one pass: the scheduler, block manager, input batch, runner,
-    # sequence, engine, config and stats change; the model, kernels, sampler, processes and server stay
+    # sequence, engine, config, stats and metrics change; the model, kernels, sampler, processes stay
     "step11_speculative": [
         "__main__.py",
-        "api_server.py",
-        "async_engine.py",
         "core_client.py",
         "cuda_graph.py",
         "engine_core.py",
         "kernels.py",
         "kv_cache.py",
         "llm.py",
-        "metrics.py",
         "model.py",
         "output_processor.py",
         "parallel_sampling.py",
