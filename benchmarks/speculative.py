@@ -127,6 +127,8 @@ def bench_model(name: str, device: str, dtype: str, runs: int, batches: list[int
                 "median": {e: harness.medians(r) for e, r in per_run.items()},
                 "ratio": harness.ratio(per_run["ngram"], per_run["off"], "tok_per_s"),
             }
+        for llm in llms.values():
+            llm.engine_core.shutdown()  # a child process on CUDA: its GPU memory back before the next point
         del llms
         harness.free(device)
     return out
