@@ -88,9 +88,10 @@ class EngineArgs:
     what it is (``python -m <step> --help`` shows them all). model: see ``common.weights.resolve_model``.
 
     Resolved from them: folder (the snapshot folder), hf_config (its ``GPT2Config``), torch_device,
-    torch_dtype, speculative (``SpeculativeConfig`` or None), and max_model_len: the tokens one request can
-    reach, prompt included (the context window, or the pool's tokens if fewer). An argument whose default
-    is resolved (from the model, the pool or the device) holds the resolved value.
+    torch_dtype, speculative (``SpeculativeConfig`` or None), draft_folder (its draft model's snapshot, or
+    None), and max_model_len: the tokens one request can reach, prompt included (the context window, or the
+    pool's tokens if fewer). An argument whose default is resolved (from the model, the pool or the device)
+    holds the resolved value.
 
     Raises ValueError, naming the argument, if one is bad; ConnectionError if a Hub model cannot be fetched.
     """
@@ -172,6 +173,7 @@ class EngineArgs:
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     speculative: SpeculativeConfig | None = field(init=False)
+    draft_folder: Path | None = field(init=False)
     max_model_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -198,8 +200,9 @@ class EngineArgs:
         )
         self.folder = resolve_model(self.model)  # may download: after the checks that need no model
         self.hf_config = load_config(self.folder)
+        self.draft_folder = None
         if self.speculative is not None and self.speculative.method == "draft_model":
-            check_draft(self.speculative.model, self.folder, self.hf_config.vocab_size)
+            self.draft_folder = check_draft(self.speculative.model, self.folder, self.hf_config)
         window = self.hf_config.n_positions
         if self.block_size > window:
             raise ValueError(

@@ -19,6 +19,7 @@ from common.tokenizer import Tokenizer
 
 from .block_manager import BlockManager
 from .config import EngineArgs
+from .draft_model import DraftModelProposer
 from .kv_cache import PagedKVCache
 from .messages import EngineCoreOutput
 from .model import GPT, kernels
@@ -59,12 +60,23 @@ class LLMEngine:
         self.args = args = EngineArgs.make(*engine_args, **kwargs)
         self.async_scheduling = args.async_scheduling
         self.speculative = args.speculative  # a SpeculativeConfig, or None: off
-        self.proposer = None if self.speculative is None else NgramProposer(self.speculative)
         self.device, self.dtype = args.torch_device, args.torch_dtype
         self.attention_backend = args.attention_backend
         self.tokenizer = Tokenizer(args.folder)
         self.model = GPT.from_pretrained(str(args.folder), device=self.device, dtype=self.dtype)
         self.config = self.model.config
+        self.proposer = None
+        if self.speculative is not None and self.speculative.method == "ngram":
+            self.proposer = NgramProposer(self.speculative)
+        elif self.speculative is not None:  # "draft_model": its own pool, as many blocks as the target's
+            self.proposer = DraftModelProposer(
+                args.draft_folder,
+                self.device,
+                self.dtype,
+                self.attention_backend,
+                args.block_size,
+                args.num_kv_blocks,
+            )
         self.max_model_len = args.max_model_len  # tokens one request can reach, prompt included
         window, vocab = self.config.n_positions, self.config.vocab_size
         self.processor = Processor(self.tokenizer, vocab, window, self.max_model_len, args.max_num_seqs)
@@ -155,6 +167,8 @@ class LLMEngine:
     def retire(self, seq: Sequence) -> None:
         """Forget a finished sequence (and its request, once every choice has finished)."""
         del self.requests[seq.request_id]
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)
         if seq.parent is not None and seq.parent.finished:
             del self.parents[seq.parent.request_id]
 
@@ -207,10 +221,9 @@ class LLMEngine:
             spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
         ):
             return
-        for seq in running:
-            if seq.params.logprobs is None and not uses_penalty(seq.params):
-                k = min(spec.num_speculative_tokens, seq.max_len - len(seq) - 1)
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
+        seqs = [seq for seq in running if seq.params.logprobs is None and not uses_penalty(seq.params)]
+        ks = [min(spec.num_speculative_tokens, seq.max_len - len(seq) - 1) for seq in seqs]
+        self.proposer.propose_all(seqs, ks)
 
     @contextlib.contextmanager
     def placeholders(self):
@@ -236,7 +249,7 @@ class LLMEngine:
         blocks past its new length, which held only rejected drafts, are given back."""
         outputs = []
         for seq, token_ids, logprobs in zip(launched.seqs, *launched.get_output()):
-            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            drafts, seq.spec_token_ids, seq.spec_probs = seq.spec_token_ids, [], None
             if drafts:
                 self.scheduler.spec.observe(len(drafts), len(token_ids) - 1)
             if seq.finished:
@@ -248,6 +261,7 @@ class LLMEngine:
             if drafts and not seq.finished:  # the blocks that held only rejected drafts go back
                 self.block_manager.trim(seq.request_id, len(seq))
                 self.model_runner.input_batch.trim(seq.request_id, self.block_manager.blocks_for(len(seq)))
+                self.proposer.rollback(seq)  # the draft model's keys past the accepted tokens are stale
             outputs.append(seq.output())
             if seq.finished:  # leaves the batch now; its blocks are free for the next step
                 # Its blocks may still be written by the step in flight; a later step that reuses them is

@@ -139,6 +139,7 @@ class ModelRunner:
                 [seq.spec_token_ids for seq in scheduled.verifies],
                 [seq.params for seq in scheduled.verifies],
                 [seq.generator for seq in scheduled.verifies],
+                [seq.spec_probs for seq in scheduled.verifies],
             )  # [B, 2]: accepted count, the token after them
             rows = self.input_batch.gpu["rows"][len(scheduled.prefills) : P]  # [B]
             self.input_batch.last_token.index_copy_(0, rows, verified[:, 1])

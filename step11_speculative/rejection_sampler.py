@@ -12,8 +12,6 @@ judges draft i + 1; row k gives the bonus token, drawn when all k are accepted. 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .sampler import exponential_race, keep_min_p, keep_top_k, keep_top_p, scale_by_temperature
@@ -45,14 +43,17 @@ def rejection_sample(
     drafts: list[list[int]],
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    draft_probs: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Verify B lanes of drafts against the target's logits; never waits for the device.
 
     logits: [R, V], R = sum(len(d) + 1 for d in drafts): lane b's rows in order, its k_b + 1 positions.
     drafts: B lists of proposed ids (k_b >= 1 each); params, generators: one per lane (a seeded lane draws
     its uniforms and its residual or bonus token from its own generator only, so its tokens do not depend on
-    the batch). Returns [B, 2] int64 on the logits' device: each lane's accepted count a (0..k_b), then
-    the token emitted after them (the target's at the first rejection, or the bonus token).
+    the batch). draft_probs: per lane, the draft model's distributions q [k_b, V] its drafts were drawn
+    from (a sampled lane of a draft model), or None (q one-hot on the draft). Returns [B, 2] int64 on the
+    logits' device: each lane's accepted count a (0..k_b), then the token emitted after them (the target's
+    at the first rejection, or the bonus token).
     """
     device, R = logits.device, logits.shape[0]
     ks = [len(d) for d in drafts]
@@ -76,15 +77,25 @@ def rejection_sample(
         if s_draft:
             j = torch.tensor(s_draft, dtype=torch.long).to(device, non_blocking=True)
             rows, ids = d_rows[j], draft_ids[j]  # [Rs] the sampled rows that judge a draft, and the drafts
-            p_d = warped[rows].softmax(dim=-1).gather(1, ids[:, None])[:, 0]  # [Rs] p(d); q(d) = 1
+            p = warped[rows].softmax(dim=-1)  # [Rs, V] the target's law at each judged position
+            q = torch.zeros_like(p).scatter_(1, ids[:, None], 1.0)  # [Rs, V] one-hot on each draft...
+            at = 0  # ...or the draft model's law: the sampled lanes' rows, in lane order
+            for b, k in enumerate(ks):
+                if not is_greedy(params[b]):
+                    if draft_probs is not None and draft_probs[b] is not None:
+                        q[at : at + k] = draft_probs[b].to(q.dtype)  # [k, V]
+                    at += k
+            p_d, q_d = p.gather(1, ids[:, None])[:, 0], q.gather(1, ids[:, None])[:, 0]  # [Rs] each
             u = torch.rand(len(s_draft), device=device)  # [Rs] uniforms: torch's default generator...
             for n, i in enumerate(s_draft):  # ...or, for a seeded lane, its own
                 if (gen := row_gens[draft_rows[i]]) is not None:
                     u[n : n + 1].uniform_(generator=gen)
-            accept[rows] = u < p_d
-            # the residual max(p - onehot(d), 0), normalised: p without d (unless d held all the mass, when
-            # the draft is accepted for sure and the residual is never read)
-            warped[rows, ids] = torch.where(p_d < 1.0, -math.inf, warped[rows, ids])
+            accept[rows] = u * q_d < p_d  # with probability min(1, p(d) / q(d))
+            # the residual max(p - q, 0), normalised by the draw (log 0 = -inf); where it is all zero (p <= q
+            # everywhere: p == q) the draft is accepted for sure and the residual is never read
+            residual = (p - q).clamp_(min=0.0)  # [Rs, V]
+            empty = residual.sum(dim=-1, keepdim=True) <= 0  # [Rs, 1]
+            warped[rows] = torch.where(empty, warped[rows], residual.log())
         tokens.index_copy_(
             0,
             torch.tensor(sampled, dtype=torch.long).to(device),

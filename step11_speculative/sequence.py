@@ -104,7 +104,8 @@ class Sequence:
     computes; block_hashes: the chained hashes of its full blocks, as far as hashed (block_manager.py).
     index, parent, forks: its choice of a request of n > 1 (parallel_sampling.py), that ``ParentRequest``,
     and (choice 0, until admitted) the other choices. spec_token_ids: the drafts proposed for its next step
-    (speculative decoding), never part of ``token_ids``: only the accepted ones are appended.
+    (speculative decoding), never part of ``token_ids``: only the accepted ones are appended; spec_probs:
+    the draft model's law of each ([k, V], sampled requests), else None.
     """
 
     def __init__(
@@ -139,6 +140,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.index, self.parent, self.forks = 0, None, []
         self.spec_token_ids: list[int] = []
+        self.spec_probs: torch.Tensor | None = None
         if params.n > 1:
             ParentRequest(
                 self,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from common.weights import load_config, resolve_model
+from common.weights import GPT2Config, load_config, resolve_model
 
 METHODS = ("ngram", "draft_model")
 
@@ -77,13 +77,14 @@ class SpeculativeConfig:
             raise bad("model", "None for method 'ngram' (it has no draft model)")
 
 
-def check_draft(model: str, target_folder, target_vocab_size: int) -> None:
-    """Refuse a draft model for the target in ``target_folder``: ValueError if its vocabulary or tokenizer
-    (vocab.json, merges.txt) differs from the target's, since the target judges the draft's token ids as
-    its own; else ValueError all the same, for the draft-model proposer is not built in this step (yet).
+def check_draft(model: str, target_folder, target: GPT2Config):
+    """The snapshot folder of a draft model for the target in ``target_folder`` (config ``target``).
+    Raises ValueError if its vocabulary or tokenizer (vocab.json, merges.txt) differs from the target's,
+    since the target judges the draft's token ids as its own, or if its window is shorter;
     ConnectionError if a Hub draft cannot be fetched."""
     folder = resolve_model(model)
-    vocab_size = load_config(folder).vocab_size
+    draft = load_config(folder)
+    vocab_size, target_vocab_size = draft.vocab_size, target.vocab_size
     if vocab_size != target_vocab_size:
         raise ValueError(
             f"speculative_config.model={model!r}: its vocabulary has {vocab_size} tokens, the target's "
@@ -95,10 +96,12 @@ def check_draft(model: str, target_folder, target_vocab_size: int) -> None:
                 f"speculative_config.model={model!r}: its {name} differs from the target's: a draft must "
                 "share the target's tokenizer"
             )
-    raise ValueError(
-        "speculative_config.method='draft_model': the draft-model proposer is not built in this step yet "
-        "(its tokenizer matches the target's); use method 'ngram'"
-    )
+    if draft.n_positions < target.n_positions:
+        raise ValueError(
+            f"speculative_config.model={model!r}: its window ({draft.n_positions} tokens) is shorter than "
+            f"the target's ({target.n_positions})"
+        )
+    return folder
 
 
 @dataclass
@@ -130,6 +133,17 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose_all(self, seqs: list, ks: list[int]) -> None:
+        """Set each sequence's ``spec_token_ids``: ``propose`` over its ids, up to its k."""
+        for seq, k in zip(seqs, ks):
+            seq.spec_token_ids = self.propose(seq.token_ids, k)
+
+    def rollback(self, seq) -> None:
+        """Nothing to roll back, or to release: prompt lookup keeps no state."""
+
+    def release(self, seq_id: str) -> None:
+        pass
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """The k ids that followed the most recent earlier occurrence of the last n ids, for the largest

@@ -121,6 +121,11 @@ def test_step11_speculation_on_gpu_equals_no_speculation(demo_snapshot):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == [
         o.outputs[0].token_ids for o in llm.generate(prompts, sampled)
     ]
+    draft = {"method": "draft_model", "model": str(demo_snapshot), "num_speculative_tokens": 3}
+    llm = step11.LLM(model=str(demo_snapshot), device="cuda", block_size=4, speculative_config=draft)
+    ours = llm.generate(prompts, params)  # the demo drafting for itself, through the Triton kernel
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    assert llm.stats.spec_decode_acceptance_rate > 0.9
 
 
 SYNC_BUDGET = (
