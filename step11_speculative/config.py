@@ -163,8 +163,9 @@ class EngineArgs:
     )
     speculative_config: dict | str | None = engine_arg(
         None,
-        "speculative decoding, vLLM's fields as JSON: method ('ngram'), num_speculative_tokens, "
-        "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size (default: off); async scheduling off",
+        "speculative decoding, vLLM's fields as JSON: method ('ngram' or 'draft_model'), "
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model (the draft), "
+        "disable_by_batch_size (default: off); async scheduling off",
         (lambda value: value is None or isinstance(value, (dict, str)), "a dict, its JSON text, or None"),
         type=str,
     )

@@ -6,7 +6,7 @@ then the accepted tokens since), which drafts d1, then k - 1 one-token passes, e
 All sequences go together, each pass one flat batch, every lane a prefill over cached context (step 9's
 path, through the Triton kernel on a GPU). Greedy requests draft the argmax; sampled ones draw from the
 draft's warped law q (the sampler's stages), kept in ``Sequence.spec_probs`` for the rejection sampler.
-After a verification the draft's length rolls back to the accepted tokens (``rollback``).
+Before each step the draft's length rolls back to the sequence's accepted tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .sequence import Sequence
 
 class DraftModelProposer:
     """Drafts with the model in ``folder`` on the target's device, dtype, attention backend and block size,
-    in a pool of ``num_blocks`` blocks of its own (``propose_all``, ``rollback``)."""
+    in a pool of ``num_blocks`` blocks of its own (``propose_all``, ``release``)."""
 
     def __init__(self, folder, device, dtype, attention_backend: str, block_size: int, num_blocks: int):
         self.model = GPT.from_pretrained(str(folder), device=device, dtype=dtype)
@@ -46,7 +46,9 @@ class DraftModelProposer:
         for seq, k in zip(seqs, ks):
             seq.spec_token_ids, seq.spec_probs = [], None
             table = self.block_tables.setdefault(seq.request_id, [])
-            self.num_computed.setdefault(seq.request_id, 0)
+            # its keys past the accepted tokens are stale: rejected drafts, or drafts never verified (dropped
+            # for want of room, or preempted); the pass starts at its last token, or earlier
+            self.num_computed[seq.request_id] = min(self.num_computed.get(seq.request_id, 0), len(seq) - 1)
             need = blocks_for(len(seq) + k - 1, self.block_size) - len(table)
             if k >= 1 and need <= len(self.free_blocks):
                 table += [self.free_blocks.pop() for _ in range(max(need, 0))]
@@ -120,9 +122,3 @@ class DraftModelProposer:
         if seq_id in self.block_tables:
             self.free_blocks += self.block_tables.pop(seq_id)
             del self.num_computed[seq_id]
-
-    def rollback(self, seq: Sequence) -> None:
-        """After the verification: the draft's keys past the accepted tokens are stale (the next pass
-        starts at the sequence's last token, or earlier)."""
-        if seq.request_id in self.num_computed:
-            self.num_computed[seq.request_id] = min(self.num_computed[seq.request_id], len(seq) - 1)

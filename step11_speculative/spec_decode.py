@@ -139,11 +139,8 @@ class NgramProposer:
         for seq, k in zip(seqs, ks):
             seq.spec_token_ids = self.propose(seq.token_ids, k)
 
-    def rollback(self, seq) -> None:
-        """Nothing to roll back, or to release: prompt lookup keeps no state."""
-
     def release(self, seq_id: str) -> None:
-        pass
+        """Nothing to give back: prompt lookup keeps no state."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """The k ids that followed the most recent earlier occurrence of the last n ids, for the largest

@@ -109,11 +109,18 @@ def test_the_prefix_cache_never_holds_a_rejected_draft(demo_snapshot, plain, spe
     assert greedy_ids(spec) == first == greedy_ids(plain)  # the second run reads the cached blocks
 
 
-def test_preemption_and_aborts_mid_run(demo_snapshot, plain):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_preemption_and_aborts_mid_run(demo_snapshot, plain, method):
     """A pool of 24 blocks of 4 tokens for 6 requests of ~50 tokens: verifications preempt and are
-    preempted; an aborted request frees everything; the others' ids are unchanged."""
+    preempted; an aborted request frees everything (the draft model's blocks too); the others' ids are
+    unchanged."""
+    config = NGRAM if method == "ngram" else {"method": method, "model": str(demo_snapshot)}
     engine = LLMEngine(
-        model=str(demo_snapshot), block_size=BLOCK, num_kv_blocks=24, max_num_seqs=6, speculative_config=NGRAM
+        model=str(demo_snapshot),
+        block_size=BLOCK,
+        num_kv_blocks=24,
+        max_num_seqs=6,
+        speculative_config=config,
     )
     params = SamplingParams(max_tokens=40, temperature=0)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
@@ -133,6 +140,8 @@ def test_preemption_and_aborts_mid_run(demo_snapshot, plain):
         if i != 1:
             assert got[str(i)] == want[i], i
     assert engine.block_manager.num_free_blocks == 24
+    if method == "draft_model":
+        assert len(engine.proposer.free_blocks) == 24 and not engine.proposer.block_tables
 
 
 def test_the_core_in_a_child_process_and_the_server(demo_snapshot, plain):
