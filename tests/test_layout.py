@@ -158,7 +158,6 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_chat.py",
         "serving_completion.py",
         "serving_engine.py",
-        "static/index.html",
     ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
