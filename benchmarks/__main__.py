@@ -74,6 +74,11 @@ BENCHMARKS = {
         "10",
         "the engine core in its own process: server tok/s, TTFT, ITL at 1-256 streams vs in process",
     ),
+    "speculative": (
+        "benchmarks.speculative",
+        "11",
+        "what prompt-lookup speculation buys: tok/s, ms/token, acceptance at B = 1-256, extractive vs prose",
+    ),
 }
 
 

@@ -138,6 +138,27 @@ UNCHANGED_FROM_PREVIOUS = {
         "metrics.py",
         "static/index.html",
     ],
+    # step 11 drafts tokens and verifies them in one pass: the scheduler, block manager, input batch, runner,
+    # sequence, engine, config, stats and metrics change; the model, kernels, sampler, processes stay
+    "step11_speculative": [
+        "__main__.py",
+        "core_client.py",
+        "cuda_graph.py",
+        "engine_core.py",
+        "kernels.py",
+        "kv_cache.py",
+        "llm.py",
+        "model.py",
+        "output_processor.py",
+        "parallel_sampling.py",
+        "processor.py",
+        "protocol.py",
+        "sampler.py",
+        "sampling_params.py",
+        "serving_chat.py",
+        "serving_completion.py",
+        "serving_engine.py",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
@@ -146,6 +167,7 @@ MECHANISM_TESTS = {
     "step8_async_scheduling": "test_async_scheduling.py",
     "step9_prefix_cache": "test_prefix_cache.py",
     "step10_engine_core": "test_engine_core.py",
+    "step11_speculative": "test_speculative.py",
 }
 # One file per serving concept, named alike in every generating step (the root README's Layout), so that a
 # diff lands in the file named for its mechanism.
@@ -175,6 +197,7 @@ def test_layout():
         "step8_async_scheduling",
         "step9_prefix_cache",
         "step10_engine_core",
+        "step11_speculative",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):

@@ -1,0 +1,406 @@
+"""Step 11 tests: speculative decoding changes how fast tokens come, never which tokens come.
+
+Greedy ids with prompt-lookup drafts equal those without (the same engine, speculation off: step 10's path),
+over prompts that repeat themselves and prompts that do not, k from 1 to 5, blocks of 4 tokens (so that
+drafts cross block edges and rejected tails are given back), stop tokens and max_tokens inside an accepted
+run, preemption, aborts, the prefix cache, the engine core in a child process and the server. The rejection
+sampler alone: its output law is the target's warped distribution (total variation <= 0.01), greedy exact,
+seeded lanes reproducible. The config: every bad field named; a draft with another tokenizer refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from .config import EngineArgs
+from .engine import LLMEngine
+from .llm import LLM
+from .rejection_sampler import rejection_sample, warp
+from .sampling_params import SamplingParams
+from .spec_decode import NgramProposer, SpeculativeConfig
+
+BLOCK = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [
+    "The Python interpreter",
+    "x",
+    "A list comprehension is a concise way to",
+    "def f(x): return x\ndef g(x): return x\ndef h(x): return",  # extractive: the answer repeats the prompt
+    "import os\nimport sys\nimport os\nimport sys\nimport",
+    "Exceptions are raised when an error occurs. Exceptions are",
+]
+
+
+def greedy_ids(llm: LLM, prompts=PROMPTS, **fields) -> list[list[int]]:
+    params = SamplingParams(**{"max_tokens": 40, "temperature": 0, **fields})
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def plain(demo_snapshot):
+    return LLM(model=str(demo_snapshot), block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def spec(demo_snapshot):
+    return LLM(model=str(demo_snapshot), block_size=BLOCK, speculative_config=NGRAM)
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks and not blocks.block_tables
+
+
+def test_greedy_equals_no_speculation(plain, spec):
+    for max_tokens in (1, 2, 7, 40):
+        assert greedy_ids(spec, max_tokens=max_tokens) == greedy_ids(plain, max_tokens=max_tokens)
+    s = spec.stats
+    assert (
+        s.spec_decode_num_drafts > 0
+        and 0 < s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens
+    )
+    assert s.spec_decode_num_accepted_tokens_per_pos[0] >= s.spec_decode_num_accepted_tokens_per_pos[-1]
+    assert s.spec_decode_num_accepted_tokens == sum(s.spec_decode_num_accepted_tokens_per_pos)
+    assert 1 < s.spec_decode_mean_acceptance_length <= 1 + NGRAM["num_speculative_tokens"]
+    assert s.num_eager_verify_steps > 0  # on a CPU every verification runs eagerly
+    assert_no_block_held(spec)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_greedy_equals_for_every_k_and_ngram_range(demo_snapshot, plain, k):
+    config = {**NGRAM, "num_speculative_tokens": k, "prompt_lookup_min": 2 if k == 5 else 1}
+    llm = LLM(
+        model=str(demo_snapshot), block_size=BLOCK, speculative_config=config, enable_prefix_caching=False
+    )
+    assert greedy_ids(llm, max_tokens=24) == greedy_ids(plain, max_tokens=24)
+    assert_no_block_held(llm)
+
+
+def test_a_stop_token_inside_an_accepted_run_cuts_it(plain, spec):
+    """The run is cut at the stop token: nothing after it is returned, and the stats count what was
+    verified, not what was kept."""
+    full = greedy_ids(plain, max_tokens=40)
+    for ids in full:
+        if len(ids) > 6:
+            stop = ids[5]
+            cut = greedy_ids(spec, prompts=[PROMPTS[full.index(ids)]], stop_token_ids=[stop])[0]
+            assert cut == ids[: ids.index(stop) + 1]
+    assert_no_block_held(spec)
+
+
+def test_the_prefix_cache_never_holds_a_rejected_draft(demo_snapshot, plain, spec):
+    """After speculative runs the cache holds these prompts' blocks; a plain engine sharing nothing
+    agrees with the answers read from them, and every registered block holds accepted tokens only."""
+    first = greedy_ids(spec)
+    engine = spec.engine
+    outputs = {tuple(engine.tokenizer.encode(p)) + tuple(ids) for p, ids in zip(PROMPTS, first)}
+    for block in engine.block_manager.blocks:
+        if block.block_hash is not None:
+            assert any(
+                tuple(block.token_ids) == seq[i : i + BLOCK]
+                for seq in outputs
+                for i in range(0, len(seq), BLOCK)
+            )
+    assert greedy_ids(spec) == first == greedy_ids(plain)  # the second run reads the cached blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_preemption_and_aborts_mid_run(demo_snapshot, plain, method):
+    """A pool of 24 blocks of 4 tokens for 6 requests of ~50 tokens: verifications preempt and are
+    preempted; an aborted request frees everything (the draft model's blocks too); the others' ids are
+    unchanged."""
+    config = NGRAM if method == "ngram" else {"method": method, "model": str(demo_snapshot)}
+    engine = LLMEngine(
+        model=str(demo_snapshot),
+        block_size=BLOCK,
+        num_kv_blocks=24,
+        max_num_seqs=6,
+        speculative_config=config,
+    )
+    params = SamplingParams(max_tokens=40, temperature=0)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    for i, prompt in enumerate(ids):
+        engine.add_request(str(i), prompt, params)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        steps += 1
+        if steps == 6:
+            engine.abort_request("1")
+    assert engine.stats.num_preemptions > 0 and engine.stats.spec_decode_num_drafts > 0
+    want = greedy_ids(plain, max_tokens=40)
+    for i in range(len(ids)):
+        if i != 1:
+            assert got[str(i)] == want[i], i
+    assert engine.block_manager.num_free_blocks == 24
+    if method == "draft_model":
+        assert len(engine.proposer.free_blocks) == 24 and not engine.proposer.block_tables
+
+
+def test_the_core_in_a_child_process_and_the_server(demo_snapshot, plain):
+    from step10_engine_core.test_engine_core import counter, serve
+
+    from .api_server import build_app
+    from .core_client import AsyncMPClient
+
+    want = greedy_ids(plain, max_tokens=24)
+    texts = [o.outputs[0].text for o in plain.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0))]
+    child = LLM(model=str(demo_snapshot), block_size=BLOCK, speculative_config=NGRAM, multiprocessing=True)
+    try:
+        assert greedy_ids(child, max_tokens=24) == want
+        assert child.stats.spec_decode_num_drafts > 0
+    finally:
+        child.engine_core.shutdown()
+    args = EngineArgs(model=str(demo_snapshot), block_size=BLOCK, speculative_config=json.dumps(NGRAM))
+    with serve(build_app(AsyncMPClient(args))) as url:
+        for prompt, want_text in zip(PROMPTS, texts):
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+            text = httpx.post(url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+            assert text == want_text
+        stats = httpx.get(url + "/v1/engine/stats").json()
+        drafts, accepted = (
+            counter(url, f"vllm:spec_decode_num_{n}_total") for n in ("drafts", "accepted_tokens")
+        )
+        assert drafts == stats["spec_decode_num_drafts"] > 0
+        assert accepted == stats["spec_decode_num_accepted_tokens"] > 0
+        assert counter(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+        assert 0 < stats["spec_decode_acceptance_rate"] <= 1 < stats["spec_decode_mean_acceptance_length"]
+
+
+def test_seeded_sampling_is_reproducible(spec):
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=50, seed=11)
+    a, b = (spec.generate(PROMPTS[3:5], params) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert_no_block_held(spec)
+
+
+# ---- the rejection sampler alone: a stand-in vocabulary of 8 tokens ----
+
+V = 8
+
+
+def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    """Total-variation distance between the empirical law of ``counts`` [V] and ``p`` [V]."""
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8, min_p=0.05)],
+    ids=["plain", "top-k", "top-p+min-p"],
+)
+def test_sampled_tokens_follow_the_warped_target_distribution(fields):
+    """40,000 lanes of k = 2 drafts against fixed target logits: the first emitted token's law is the
+    warped p of row 0, and the second's (given the first draft accepted) is row 1's; the drafts are right
+    about as often as wrong (half drawn from p, half uniform). TV <= 0.01 each."""
+    torch.manual_seed(0)
+    B, k = 40_000, 2
+    rows = torch.randn(k + 1, V) * 1.5  # [3, V] the target's logits after each position
+    params = SamplingParams(**fields)
+    p = warp(rows, [params] * (k + 1)).softmax(dim=-1)  # [3, V]
+    from_p = torch.stack([torch.multinomial(p[i], B, replacement=True) for i in range(k)], dim=1)  # [B, k]
+    uniform = torch.randint(0, V, (B, k))
+    drafts = torch.where(torch.rand(B, 1) < 0.5, from_p, uniform).tolist()
+    out = rejection_sample(rows.repeat(B, 1), drafts, [params] * B, [None] * B)  # [B, 2]
+    accepted, token = out[:, 0], out[:, 1]
+    d = torch.tensor(drafts)
+    first = torch.where(accepted >= 1, d[:, 0], token)
+    assert 0.2 < (accepted >= 1).float().mean() < 0.9  # sometimes right, sometimes wrong
+    assert tv(torch.bincount(first, minlength=V).float(), p[0]) <= 0.01
+    on = accepted >= 1
+    second = torch.where(accepted[on] >= 2, d[on, 1], token[on])
+    assert tv(torch.bincount(second, minlength=V).float(), p[1]) <= 0.01
+
+
+def test_drafts_of_a_draft_model_keep_the_target_distribution():
+    """Drafts drawn from a draft model's own law q (k = 1), accepted with min(1, p/q), else the residual:
+    the emitted token's law is the warped p, TV <= 0.01 over 40,000 lanes."""
+    torch.manual_seed(2)
+    B = 40_000
+    rows = torch.randn(2, V) * 1.5  # [2, V] the target's rows: the judged position, the bonus
+    params = SamplingParams(temperature=0.8, top_k=6)
+    p = warp(rows, [params] * 2).softmax(dim=-1)[0]  # [V]
+    q = (rows[0] + torch.randn(V)).softmax(dim=-1)  # [V] the draft's law: near p, not p
+    drafts = torch.multinomial(q, B, replacement=True)[:, None].tolist()  # [B, 1]
+    out = rejection_sample(rows.repeat(B, 1), drafts, [params] * B, [None] * B, [q[None]] * B)
+    first = torch.where(out[:, 0] >= 1, torch.tensor(drafts)[:, 0], out[:, 1])
+    assert 0.1 < (out[:, 0] >= 1).float().mean() < 0.9
+    assert tv(torch.bincount(first, minlength=V).float(), p) <= 0.01
+
+
+def test_greedy_verification_is_exact_and_takes_the_bonus():
+    rows = torch.tensor([[0.0, 3, 1], [5, 0, 1], [0, 1, 9]])  # argmax 1, 0, 2
+    greedy = SamplingParams(temperature=0)
+    lanes = [[1, 0], [1, 2], [2, 0]]  # all right (bonus 2); right then wrong (0); wrong at once (1)
+    out = rejection_sample(rows.repeat(3, 1), lanes, [greedy] * 3, [None] * 3)
+    assert out.tolist() == [[2, 2], [1, 0], [0, 1]]
+
+
+def test_a_seeded_lane_does_not_depend_on_its_batch():
+    torch.manual_seed(1)
+    rows = torch.randn(3, V)
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def run(batch: int) -> list[int]:
+        gens = [torch.Generator().manual_seed(5) for _ in range(batch)]
+        return rejection_sample(rows.repeat(batch, 1), [[3, 4]] * batch, [params] * batch, gens)[0].tolist()
+
+    assert run(1) == run(7)
+
+
+# ---- the proposer and the config ----
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    prop = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    assert prop.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]  # the latest 3-gram match
+    assert prop.propose([5, 1, 2, 6, 0, 2], 2) == [6, 0]  # no 3- or 2-gram: the 1-gram [2]
+    assert prop.propose([1, 2, 3, 4], 2) == []  # no match at all
+    assert prop.propose([4, 4], 5) == [4]  # what is left after the match
+    assert NgramProposer(SpeculativeConfig(prompt_lookup_min=2)).propose([5, 1, 2, 6, 0, 2], 2) == []
+
+
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        ({"method": "medusa"}, "speculative_config.method"),
+        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+        ({"disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+        ({"num_speculative_token": 2}, "speculative_config.num_speculative_token"),
+        ({"method": "draft_model"}, "speculative_config.model"),
+        ({"model": "demo"}, "speculative_config.model"),
+        ("{not json", "speculative_config="),
+        ([1], "speculative_config="),
+    ],
+)
+def test_a_bad_config_is_refused_naming_the_field(demo_snapshot, config, named):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        EngineArgs(model=str(demo_snapshot), speculative_config=config)
+
+
+def test_speculation_refuses_async_scheduling(demo_snapshot):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(model=str(demo_snapshot), speculative_config=NGRAM, async_scheduling=True)
+    assert EngineArgs(model=str(demo_snapshot), speculative_config=NGRAM).async_scheduling is False
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(demo_snapshot, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(demo_snapshot, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 50257}))
+    draft = {"method": "draft_model", "model": str(other)}
+    with pytest.raises(ValueError, match="vocabulary has 50257 tokens"):
+        EngineArgs(model=str(demo_snapshot), speculative_config=draft)
+    (other / "config.json").write_text(json.dumps({**config, "n_positions": 256}))
+    with pytest.raises(ValueError, match="window"):
+        EngineArgs(model=str(demo_snapshot), speculative_config=draft)
+    (other / "config.json").write_text(json.dumps(config))
+    (other / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ValueError, match="merges.txt differs"):
+        EngineArgs(model=str(demo_snapshot), speculative_config=draft)
+    shutil.copy(demo_snapshot / "merges.txt", other / "merges.txt")
+    assert EngineArgs(model=str(demo_snapshot), speculative_config=draft).draft_folder == other
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    """A 2-layer GPT-2 with random weights and the demo's tokenizer and window: a draft that is mostly
+    wrong, so that verification rejects and rolls back the draft's own cache too."""
+    from conftest import write_random_snapshot
+
+    return write_random_snapshot(
+        tmp_path_factory.mktemp("draft"), n_positions=512, n_embd=32, n_layer=2, n_head=4
+    )
+
+
+@pytest.mark.parametrize("draft", ["itself", "random"])
+def test_a_draft_model_keeps_the_greedy_output(demo_snapshot, plain, random_draft, draft):
+    """The demo checkpoint drafting for itself (every draft accepted) and a random draft (nearly none):
+    greedy ids equal the plain engine's; every draft block is given back at the end; seeded sampling is
+    reproducible."""
+    model = str(demo_snapshot if draft == "itself" else random_draft)
+    config = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    llm = LLM(model=str(demo_snapshot), block_size=BLOCK, speculative_config=config)
+    assert greedy_ids(llm, max_tokens=24) == greedy_ids(plain, max_tokens=24)
+    s = llm.stats
+    rate = s.spec_decode_acceptance_rate
+    assert rate == 1.0 if draft == "itself" else rate < 0.5
+    proposer = llm.engine.proposer
+    assert not proposer.block_tables and len(proposer.free_blocks) == llm.engine.args.num_kv_blocks
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=5)
+    a, b = (llm.generate(PROMPTS[:3], params) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert_no_block_held(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_no_block_leaks_after_many_random_requests(demo_snapshot, method):
+    """1,000 requests (random prompts cut from PROMPTS, max_tokens 1-16, greedy or seeded sampling, one in
+    ten aborted after a random number of steps) through a pool of 20 blocks with speculation: every block
+    is free at the end, none held by a finished request, and the greedy ones equal the plain engine's."""
+    import random
+
+    rng = random.Random(0)
+    args = dict(model=str(demo_snapshot), block_size=BLOCK, num_kv_blocks=20, max_num_seqs=8)
+    config = {**NGRAM, "num_speculative_tokens": 3}
+    if method == "draft_model":  # the demo drafting for itself, with its own pool of 20 blocks
+        config = {"method": method, "model": str(demo_snapshot), "num_speculative_tokens": 3}
+    engine = LLMEngine(**args, speculative_config=config)
+    plain = LLMEngine(**args)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    requests = {}
+    for i in range(1000):
+        ids = rng.choice(prompts)[: rng.randint(1, 12)]
+        greedy = rng.random() < 0.7
+        fields = dict(max_tokens=rng.randint(1, 16), temperature=0 if greedy else 0.9, seed=i)
+        requests[str(i)] = (ids, SamplingParams(**fields), greedy, rng.random() < 0.1, rng.randint(0, 5))
+    got = {rid: [] for rid in requests}
+    pending, steps = list(requests), 0
+    while pending or engine.has_unfinished_requests():
+        for rid in pending[: rng.randint(0, 6)]:
+            engine.add_request(rid, requests[rid][0], requests[rid][1])
+            requests[rid] += (steps,)
+        pending = [rid for rid in pending if len(requests[rid]) == 5]
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        steps += 1
+        for rid, (_, _, _, abort, after, *added) in requests.items():
+            if abort and added and added[0] + after == steps:
+                engine.abort_request(rid)
+    blocks = engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks and not blocks.block_tables
+    assert engine.stats.spec_decode_num_drafts > 0 and engine.stats.num_preemptions > 0
+    if method == "draft_model":
+        assert len(engine.proposer.free_blocks) == 20 and not engine.proposer.block_tables
+    greedy = [rid for rid, r in requests.items() if r[2] and not r[3]]
+    for rid in greedy[:200]:
+        plain.add_request(rid, requests[rid][0], requests[rid][1])
+    want = {rid: [] for rid in greedy[:200]}
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            want[out.request_id] += out.new_token_ids
+    assert all(got[rid] == want[rid] for rid in want)
+
+
+@pytest.mark.slow
+def test_verification_through_the_triton_kernel(demo_snapshot, plain):
+    """The Triton kernel's query-length > 1 path (through Triton's interpreter on the CPU) verifies drafts
+    as the torch backend does: the same greedy ids."""
+    pytest.importorskip("triton")
+    llm = LLM(
+        model=str(demo_snapshot), block_size=BLOCK, speculative_config=NGRAM, attention_backend="triton"
+    )
+    assert greedy_ids(llm, prompts=PROMPTS[3:5], max_tokens=12) == greedy_ids(
+        plain, prompts=PROMPTS[3:5], max_tokens=12
+    )
+    assert llm.stats.spec_decode_num_accepted_tokens > 0
