@@ -137,6 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["short", "long"],
         help="gpu only: run only this workload's points (repeatable), merged like --dtype",
     )
+    parser.add_argument(
+        "--profile-frontend",
+        action="store_true",
+        help="engine_core only: step 10's frontend alone and its server under cProfile at 64 streams, "
+        "instead of the sweep",
+    )
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -147,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_device(args.device)
         except ValueError as e:
             parser.error(f"--{e}")
-    for flag, dest in (("--dtype", "dtypes"), ("--workload", "workloads")):
+    only = (("--dtype", "dtypes"), ("--workload", "workloads"), ("--profile-frontend", "profile_frontend"))
+    for flag, dest in only:
         if getattr(args, dest) and args.replot:
             parser.error(f"{flag} measures: it does not go with --replot")
         if (
@@ -155,7 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             and dest
             not in inspect.signature(importlib.import_module(BENCHMARKS[args.name][0]).main).parameters
         ):
-            parser.error(f"{flag}: only the gpu benchmark takes {flag}")
+            parser.error(f"{flag}: the {args.name} benchmark does not take it")
     return args
 
 
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.replot:
             harness.replot(module.NAME, args.device, module.plot, module.report, quick=args.quick)
             return 0
-        extra = {k: getattr(args, k) for k in ("dtypes", "workloads") if getattr(args, k)}
+        extra = {k: getattr(args, k) for k in ("dtypes", "workloads", "profile_frontend") if getattr(args, k)}
         module.main(models=args.models, device=args.device, runs=runs, quick=args.quick, **extra)
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)

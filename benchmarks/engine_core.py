@@ -3,7 +3,8 @@
 The servers of steps 8, 9 and 10, alternated, at 1, 16, 64 and 256 streams (32 random ids + exactly 128
 greedy tokens each), the load from ``CLIENTS`` processes and, for step 10, twice as many (a figure that
 moves by under 10% is the server's); beside each point each engine in process at the same concurrency.
-Then ``LLM.generate`` of 256 x (512 + 256): step 9, step 10 in process, step 10 multiprocess.
+Then ``LLM.generate`` of 256 x (512 + 256): step 9, step 10 in process, step 10 multiprocess. Or, with
+``--profile-frontend``, where step 10's frontend spends its time (``engine_core_frontend-<device>``).
 
     python -m benchmarks engine_core --device cuda --runs 3
     python -m benchmarks engine_core --quick          # CPU, the demo, 1 run, short requests
@@ -13,16 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import cProfile
 import gc
 import importlib
 import multiprocessing
 import os
+import pstats
 import random
+import shutil
+import signal
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from .lib import harness, workloads
+from .lib import harness, profiled, workloads
 from .lib.load import ServerProcess, run_http, run_in_process, summarise
 from .lib.models import snapshot
 
@@ -82,9 +88,10 @@ class InProcessStep10:
         self.llm._step()
         outs = []
         for request_id, queue in list(self.llm._outputs.items()):
+            finished = bool(queue) and queue[-1].finished
             outs.extend(queue)
             queue.clear()
-            if outs and outs[-1].finished:
+            if finished:
                 del self.llm._outputs[request_id]
         return outs
 
@@ -106,8 +113,11 @@ def main(
     runs: int = DEFAULT_RUNS,
     quick: bool = False,
     out_dir: Path = harness.RESULTS,
+    profile_frontend: bool = False,
 ) -> dict:
-    """The CLI entry (``python -m benchmarks engine_core``)."""
+    """The CLI entry (``python -m benchmarks engine_core``; ``profile_frontend``: ``frontend_main``)."""
+    if profile_frontend:
+        return frontend_main(models, device, runs, quick, out_dir)
     if quick:
         runs, streams, offline = 1, QUICK["streams"], QUICK["offline"]
         prompt_tokens, max_tokens = QUICK["prompt_tokens"], QUICK["max_tokens"]
@@ -315,3 +325,381 @@ def plot(result: dict, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+# ---- --profile-frontend: where step 10's frontend spends its time --------------------------------------
+
+FRONTEND_NAME = "engine_core_frontend"
+PROFILE_STEP = "step10_engine_core"
+PROFILE = {"streams": 64, "rounds": 4, "prompt_tokens": 32, "max_tokens": 128, "top": 30}  # 4 x 64 requests
+CPU_PROFILE = {**PROFILE, "rounds": 1, "max_tokens": 64}  # a CPU's engine is slow: fewer tokens
+QUICK_PROFILE = {"streams": 8, "rounds": 1, "prompt_tokens": 16, "max_tokens": 16, "top": 10}
+ALONE = {"requests": 256, "max_tokens": 128}  # the frontend alone: 256 requests, one token each per step
+QUICK_ALONE = {"requests": 32, "max_tokens": 16}
+# each function's own time goes to the first category whose pattern matches its "file:line(name)";
+# builtins and generic helpers go where their callers go (profiled.shares)
+FRONTEND_CATEGORIES = [
+    ("idle (waiting in epoll)", r"select\.epoll"),
+    ("zmq receive, msgspec decode", r"zmq/|core_client\.py|msgspec\.msgpack\.Decoder"),
+    (
+        "request entry (pydantic, checks, submit)",
+        r"pydantic|fastapi/|protocol\.py|/processor\.py|uuid|tokenizer\.py:\d+\(encode\)"
+        r"|\((create_(chat_)?completion|check_\w+|budget|sampling_params|submit|response_head)\)",
+    ),
+    (
+        "output processor (detokenize, stop strings)",
+        r"output_processor\.py:\d+\((append|finish|finished|_first_stop_string|_stop_prefix_length"
+        r"|process_outputs|_advance\w*)\)|tokenizer\.py|codecs",
+    ),
+    ("metrics (prometheus_client)", r"prometheus_client|metrics\.py"),
+    ("RequestOutput, collector, routing", r"output_processor\.py|sequence\.py|<string>|async_engine\.py"),
+    ("chunks (dicts, orjson, SSE bytes)", r"serving_\w+\.py|orjson"),
+    (
+        "HTTP (Starlette, uvicorn, socket writes)",
+        r"starlette/|uvicorn/|h11|httptools|anyio/|api_server\.py|socket|asyncio/(selector_events|transports)\.py",
+    ),
+    ("asyncio event loop", r"asyncio/|_asyncio|_contextvars|selectors\.py"),
+]
+# the frontend alone: the synthetic core and the readers standing in for HTTP are the benchmark's own
+ALONE_CATEGORIES = [
+    ("the benchmark (synthetic core, readers)", r"benchmarks/engine_core\.py"),
+    *FRONTEND_CATEGORIES,
+]
+SAMPLE_TEXT = (  # what the synthetic core "generates", cycled: detokenization as of real text
+    "The Python interpreter reads a program, compiles it to bytecode and runs it one instruction at a "
+    "time. Lists, dictionaries and sets are built in; functions are objects; a generator yields values "
+    "as they are asked for. Exceptions unwind the stack until a handler catches them, and a context "
+    "manager closes what it opened. Modules are imported once and cached in sys.modules."
+)
+
+
+def frontend_main(models, device: str, runs: int, quick: bool, out_dir: Path) -> dict:
+    """``--profile-frontend``: step 10's frontend alone (synthetic core outputs: ``frontend_alone``), then its
+    server under cProfile at 64 streams (``profile_server``). Writes ``engine_core_frontend-<device>``."""
+    profile = PROFILE if device.startswith("cuda") else CPU_PROFILE
+    profile, alone = (QUICK_PROFILE, QUICK_ALONE) if quick else (profile, ALONE)
+    runs = 1 if quick else runs
+    if models is None:
+        models = DEFAULT_MODELS if device.startswith("cuda") else ["demo"]
+    dtype = "float16" if device.startswith("cuda") else "float32"
+    started = time.perf_counter()
+    result = {
+        "benchmark": FRONTEND_NAME,
+        "machine": harness.machine_info(device, dtype),
+        "workload": {
+            "quick": quick,
+            "runs": runs,
+            "alone": {
+                **alone,
+                "what": "the demo's tokenizer; step 10's AsyncEngine + OutputProcessor + collectors + "
+                "create_completion's SSE body (no HTTP; the heap frozen, as the server's) over a synthetic "
+                "core: every running request gets its next token each step, through msgspec, the next step "
+                "always waiting; and LLM.generate (FINAL_ONLY) over the same core in process; us per token: "
+                "this thread's CPU time less the synthetic core's / tokens; medians of runs after a warm-up; "
+                "by category: one more run under cProfile (ALONE_CATEGORIES), scaled to the median",
+            },
+            "profile": {
+                **profile,
+                "clients": CLIENTS,
+                "what": f"python -m {PROFILE_STEP} (--max-num-seqs 256) under benchmarks.lib.profiled; "
+                "one warm-up run, one run unprofiled (tok/s; the frontend's CPU time from /proc), one run "
+                "with cProfile on; categories: FRONTEND_CATEGORIES (own time, builtins by their callers); "
+                "us_per_token: each category's share of the profiled busy time x the unprofiled CPU time",
+            },
+        },
+        "categories": FRONTEND_CATEGORIES,
+        "models": {},
+    }
+
+    def bench(name: str) -> dict:
+        folder = snapshot(name)
+        out = {"snapshot": str(folder)}
+        out["alone"] = frontend_alone(PROFILE_STEP, snapshot("demo"), runs=runs, **alone)  # no model runs
+        a = out["alone"]
+        print(
+            f"  the frontend alone: server path {a['server']['us_per_token']:.2f} us per token, LLM.generate "
+            f"{a['llm']['us_per_token']:.2f}",
+            flush=True,
+        )
+        out["profile"] = profile_server(folder, device, dtype, **profile)
+        return out
+
+    harness.run_models(result, models, bench)
+    return harness.finish(FRONTEND_NAME, device, result, started, frontend_plot, frontend_report, out_dir)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (seconds) of a process's threads so far: the nanoseconds of /proc/<pid>/task/*/schedstat
+    (Linux), else user + system clock ticks of /proc/<pid>/stat (10 ms resolution)."""
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        return sum(int((task / "schedstat").read_text().split()[0]) for task in tasks) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def profile_server(folder, device, dtype, prompt_tokens, max_tokens, streams, rounds, top) -> dict:
+    """Step 10's server at ``streams`` streams (``rounds`` x streams requests, from CLIENTS processes):
+    a warm-up, a run without the profiler (its figures and the frontend process's CPU time), then a run
+    with it; the profile's top functions and its own time per category (FRONTEND_CATEGORIES)."""
+    vocab = importlib.import_module("common.weights").load_config(folder).vocab_size
+    rng = random.Random(TOKEN_ID_SEED + streams)
+    reqs = [
+        workloads.Request(i, [rng.randrange(vocab) for _ in range(prompt_tokens)], max_tokens)
+        for i in range(rounds * streams)
+    ]
+    tokens = len(reqs) * max_tokens
+    stats_file = Path(tempfile.mkdtemp(prefix="frontend-profile-")) / "server.prof"
+    extra = ("--dtype", dtype, "--max-num-seqs", "256")
+    server = ServerProcess(folder, device, PROFILE_STEP, extra, profile_to=stats_file)
+    with (
+        server as url,
+        concurrent.futures.ProcessPoolExecutor(
+            CLIENTS, mp_context=multiprocessing.get_context("spawn")
+        ) as pool,
+    ):
+        pid = server.proc.pid
+        run_clients(pool, url, reqs, streams, CLIENTS)  # warm-up
+        cpu = cpu_seconds(pid)
+        plain = run_clients(pool, url, reqs, streams, CLIENTS)
+        cpu = cpu_seconds(pid) - cpu
+        os.kill(pid, signal.SIGUSR1)
+        under = run_clients(pool, url, reqs, streams, CLIENTS)
+        os.kill(pid, signal.SIGUSR2)
+    stats = pstats.Stats(str(stats_file))  # written at the server's exit (SIGINT: a graceful shutdown)
+    shutil.rmtree(stats_file.parent)
+    seconds = profiled.shares(stats, FRONTEND_CATEGORIES)
+    idle = seconds.pop("idle (waiting in epoll)")
+    busy = sum(seconds.values())
+    events = sum(len(r["itl_s"]) + 1 for r in plain["requests"])
+    cpu_us = 1e6 * cpu / tokens
+    out = {
+        "streams": streams,
+        "requests": len(reqs),
+        "tokens": tokens,
+        "unprofiled": {k: v for k, v in summarise(plain).items() if k != "requests"},
+        "events_per_token": events / tokens,
+        "frontend_cpu_s": cpu,
+        "frontend_cpu_us_per_token": cpu_us,
+        "profiled": {k: v for k, v in summarise(under).items() if k != "requests"},
+        "profiled_busy_s": busy,
+        "profiled_idle_s": idle,
+        "share": {k: v / busy for k, v in seconds.items()},
+        "us_per_token_profiled": {k: 1e6 * v / tokens for k, v in seconds.items()},
+        "us_per_token": {k: cpu_us * v / busy for k, v in seconds.items()},
+        "top_tottime": profiled.top_functions(stats, "tottime", top),
+        "top_cumtime": profiled.top_functions(stats, "cumtime", top),
+    }
+    print(
+        f"  server at {streams} streams: {out['unprofiled']['throughput_tok_s']:.0f} tok/s, frontend "
+        f"{cpu_us:.1f} us CPU per token, {out['events_per_token']:.2f} events per token",
+        flush=True,
+    )
+    return out
+
+
+class SyntheticCore:
+    """An engine core without a model, for the frontend alone: each step gives every running request its
+    next token (``token_ids``, cycled) until its max_tokens, as one ``EngineCoreOutputs``. ``get_output``
+    is ``InprocClient``'s (the step, no copy); ``get_output_async`` the server's (it waits for
+    ``start_after`` requests, then sends each step through msgspec, as the socket does; then
+    ``get_output_nowait`` finds the next step waiting: a core ahead of its frontend). ``core_s``: the CPU
+    time (``time.thread_time``) spent making the steps and encoding them, not the frontend's."""
+
+    def __init__(self, package: str, folder: Path, max_num_seqs: int, token_ids: list[int], start_after=1):
+        from common.weights import load_config
+
+        self.m = m = importlib.import_module(f"{package}.messages")
+        config = load_config(folder)
+        self.config = m.EngineCoreReady(
+            os.getpid(), str(folder), config, config.n_positions, max_num_seqs, 0, 16, {}
+        )
+        self.token_ids, self.start_after, self.alive = token_ids, start_after, True
+        self.running: dict[str, list[int]] = {}  # request id -> [max_tokens, tokens so far]
+        self.num_received, self.steps, self.core_s, self.first_step = 0, 0, 0.0, None
+        self.stats = m.EngineCoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
+        self.encoder, self.decoder = m.output_encoder(), m.output_decoder()
+        self.arrived: asyncio.Event | None = None
+        self.profiler: cProfile.Profile | None = None  # switched on at the first step
+
+    def add_request(self, request) -> None:
+        self.running[request.request_id] = [request.sampling_params.max_tokens, 0]
+        self.num_received += 1
+        if self.arrived is not None:
+            self.arrived.set()
+
+    def abort_request(self, request_id: str, index: int | None = None) -> None:
+        self.running.pop(request_id, None)
+
+    def get_output(self):
+        started = time.thread_time()
+        if self.first_step is None:
+            self.first_step = started
+            if self.profiler is not None:
+                self.profiler.enable()
+        outputs, ids = [], self.token_ids
+        for request_id, state in list(self.running.items()):
+            state[1] += 1
+            finish = "length" if state[1] >= state[0] else None
+            outputs.append(self.m.EngineCoreOutput(request_id, 0, [ids[state[1] % len(ids)]], None, finish))
+            if finish:
+                del self.running[request_id]
+        self.steps += 1
+        out = self.m.EngineCoreOutputs(outputs, self.stats, time.perf_counter(), self.num_received)
+        self.core_s += time.thread_time() - started
+        return out
+
+    async def get_output_async(self):
+        self.arrived = self.arrived or asyncio.Event()
+        while self.num_received < self.start_after or not self.running:
+            self.arrived.clear()
+            await self.arrived.wait()
+        return self.decoder.decode(self._frame())
+
+    def _frame(self) -> bytes:
+        outputs = self.get_output()
+        started = time.thread_time()
+        frame = self.encoder.encode(outputs)
+        self.core_s += time.thread_time() - started
+        return frame
+
+    def get_output_nowait(self):
+        return self.decoder.decode(self._frame()) if self.running else None
+
+    def shutdown(self) -> None:
+        pass
+
+
+def frontend_alone(package: str, folder: Path, requests: int, max_tokens: int, runs: int) -> dict:
+    """Microseconds per token of ``package``'s frontend (step 10 or a copy of it) over a ``SyntheticCore``:
+    the server's path (``AsyncEngine``, the collectors, ``create_completion``'s SSE body, read by one
+    task per request in place of the HTTP send; with its metrics) and ``LLM.generate``'s (FINAL_ONLY).
+    CPU time of this thread (``time.thread_time``: another process's load moves it less than a wall
+    clock) less the synthetic core's. Medians of ``runs`` after a warm-up."""
+    from common.tokenizer import Tokenizer
+
+    ids = Tokenizer(folder).encode(SAMPLE_TEXT)
+    calls = {
+        "server": lambda: _frozen(lambda: _server_alone(package, folder, ids, requests, max_tokens)),
+        "llm": lambda: _llm_alone(package, folder, ids, requests, max_tokens),
+    }
+    raw = harness.alternate(calls, runs)
+    out = {k: harness.medians(v) for k, v in raw.items()}
+    profiler = cProfile.Profile()
+    _frozen(lambda: _server_alone(package, folder, ids, requests, max_tokens, profiler))
+    seconds = profiled.shares(pstats.Stats(profiler), ALONE_CATEGORIES)
+    del seconds[ALONE_CATEGORIES[0][0]], seconds[FRONTEND_CATEGORIES[0][0]]  # the benchmark's; idle (none)
+    busy, us = sum(seconds.values()), out["server"]["us_per_token"]
+    out["server"]["share"] = {k: v / busy for k, v in seconds.items()}
+    out["server"]["us_per_token_by_category"] = {k: us * v / busy for k, v in seconds.items()}
+    return out
+
+
+def _frozen(fn):
+    """``fn()`` with the heap made so far frozen (``gc.freeze``, as step 10's server does once started),
+    so that the collections it triggers scan only what it makes."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return fn()
+    finally:
+        gc.unfreeze()
+
+
+def _server_alone(package: str, folder: Path, ids: list[int], requests: int, max_tokens: int, profiler=None):
+    mod = {m: importlib.import_module(f"{package}.{m}") for m in ("async_engine", "metrics", "protocol")}
+    serving_engine = importlib.import_module(f"{package}.serving_engine")
+    serving_completion = importlib.import_module(f"{package}.serving_completion")
+    core = SyntheticCore(package, folder, requests, ids, start_after=requests)
+    core.profiler = profiler
+    body = dict(prompt=ids[:8], max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True)
+
+    async def client(serving) -> int:
+        req = mod["protocol"].CompletionRequest(**body, stream_options={"include_usage": True})
+        response = await serving_completion.create_completion(serving, req, None)
+        events = sum([1 async for _ in response.body_iterator]) - 2  # the usage chunk, [DONE]
+        response.on_close()
+        return events
+
+    async def main() -> tuple[int, float]:
+        metrics = mod["metrics"].ServerMetrics("demo")
+        bridge = mod["async_engine"].AsyncEngine(core, metrics, max_waiting_requests=10**6)
+        bridge.start()
+        serving = serving_engine.OpenAIServing("demo", bridge, metrics, None)
+        events = await asyncio.gather(*(client(serving) for _ in range(requests)))
+        ended = time.thread_time()
+        if profiler is not None:
+            profiler.disable()
+        await bridge.shutdown()
+        return sum(events), ended
+
+    events, ended = asyncio.run(main())
+    tokens = requests * max_tokens
+    return {
+        "us_per_token": 1e6 * (ended - core.first_step - core.core_s) / tokens,
+        "events_per_token": events / tokens,
+        "steps": core.steps,
+    }
+
+
+def _llm_alone(package: str, folder: Path, ids: list[int], requests: int, max_tokens: int) -> dict:
+    module = importlib.import_module(package)
+    llm = module.LLM(model=str(folder), multiprocessing=False, max_num_seqs=requests, num_kv_blocks=64)
+    llm.engine_core = core = SyntheticCore(package, folder, requests, ids)
+    params = module.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    gc.collect()
+    started = time.thread_time()
+    outs = llm.generate(prompt_token_ids=[ids[:8]] * requests, sampling_params=params)
+    cpu = time.thread_time() - started - core.core_s
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"us_per_token": 1e6 * cpu / tokens, "steps": core.steps}
+
+
+def frontend_report(result: dict) -> str:
+    """The frontend alone (us per token, by category), then the server at 64 streams: its figures, the
+    frontend's CPU per streamed token by category, the top functions by own time."""
+    lines = []
+    for name, model in result["models"].items():
+        a, p = model["alone"], model["profile"]
+        lines.append(
+            f"{name}: the frontend alone: server path {a['server']['us_per_token']:.2f} us/token "
+            f"({a['server']['events_per_token']:.2f} events/token), LLM.generate "
+            f"{a['llm']['us_per_token']:.2f}"
+        )
+        for k, v in sorted(a["server"]["us_per_token_by_category"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {k:<46} {v:>6.2f}  {100 * a['server']['share'][k]:>5.1f}%")
+        u = p["unprofiled"]
+        lines.append(
+            f"  server at {p['streams']} streams: {u['throughput_tok_s']:.0f} tok/s, TTFT p50 "
+            f"{1e3 * u['ttft_p50_s']:.1f} ms, ITL p50 {1e3 * u['itl_p50_s']:.2f} ms, "
+            f"{p['events_per_token']:.2f} events/token; frontend CPU {p['frontend_cpu_us_per_token']:.1f} "
+            "us/token, by category (us/token, share):"
+        )
+        for k, v in sorted(p["us_per_token"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {k:<46} {v:>6.2f}  {100 * p['share'][k]:>5.1f}%")
+        lines.append("  top functions by own time (profiled s):")
+        for row in p["top_tottime"][:12]:
+            lines.append(f"    {row['tottime_s']:>7.3f} {row['calls']:>8} {row['function']}")
+    return "\n".join(lines)
+
+
+def frontend_plot(result: dict, path: Path) -> Path:
+    """One bar per category: us per streamed token (the unprofiled CPU time split by the profile)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, model) in enumerate(result["models"].items()):
+        p = model["profile"]
+        keys = list(p["us_per_token"])
+        ax.barh([k for k in keys], [p["us_per_token"][k] for k in keys], color=f"C{i}", label=name)
+    ax.set_xlabel("microseconds of frontend CPU per streamed token")
+    streams = next(iter(result["models"].values()))["profile"]["streams"]
+    ax.set_title(f"step 10's frontend at {streams} streams, by category")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return harness.save_figure(fig, path)

@@ -17,7 +17,6 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import pstats
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from common.weights import load_config
 
 from .lib import drivers, harness, workloads
 from .lib.models import hf_model, snapshot
+from .lib.profiled import top_functions
 
 NAME = "gpu"
 DEFAULT_MODELS = ["gpt2-124m-random"]
@@ -653,26 +653,6 @@ def run_dtype_study(spec: dict, device: str) -> dict:
         del low_oracle
         harness.free(device)
     return out
-
-
-def top_functions(profiler: cProfile.Profile, key: str, n: int) -> list[dict]:
-    """The ``n`` functions with the largest ``key`` ("tottime": own time, "cumtime": with callees), as
-    {"function" (file:line(name), the file relative to the repository or to site-packages), "calls",
-    "primitive_calls", "tottime_s", "cumtime_s"}."""
-    root = str(Path(__file__).resolve().parent.parent) + "/"
-    rows = []
-    for (file, line, func), (primitive, calls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
-        file = file.removeprefix(root).split("site-packages/")[-1]
-        rows.append(
-            {
-                "function": f"{file}:{line}({func})" if line else func,
-                "calls": calls,
-                "primitive_calls": primitive,
-                "tottime_s": tottime,
-                "cumtime_s": cumtime,
-            }
-        )
-    return sorted(rows, key=lambda r: r[f"{key}_s"], reverse=True)[:n]
 
 
 def report(result: dict) -> str:

@@ -273,6 +273,27 @@ def test_collector_merges_what_a_lagging_handler_has_not_taken(demo_snapshot):
     assert merged.outputs[0].token_ids == ids and merged.outputs[0].text == tok.decode(ids)
 
 
+def test_several_steps_at_once_give_one_output_per_choice(demo_snapshot):
+    """A frontend behind the core processes the steps waiting in one call: each choice gets one output
+    holding all its new tokens, and the request's finished output comes last (choices finishing in
+    different steps of the call)."""
+    tok = LLM(model=str(demo_snapshot)).get_tokenizer()
+    ids = tok.encode(" alpha beta gamma delta")
+    processor = OutputProcessor(tok)
+    processor.add_request("r", None, [1], SamplingParams(n=2, seed=0, output_kind=RequestOutputKind.DELTA))
+    steps = []
+    for i, t in enumerate(ids):  # choice 1 finishes one step before choice 0
+        steps += [
+            EngineCoreOutput("r", 0, [t], finish_reason="length" if i == len(ids) - 1 else None),
+            EngineCoreOutput("r", 1, [t], finish_reason="length" if i == len(ids) - 2 else None),
+        ]
+    outs = processor.process_outputs(steps).request_outputs
+    assert [(o.outputs[0].index, o.finished) for o in outs] == [(1, False), (0, True)]
+    assert outs[1].outputs[0].token_ids == ids and outs[1].outputs[0].text == tok.decode(ids)
+    assert outs[0].outputs[0].token_ids == ids[:-1] and outs[0].outputs[0].finish_reason == "length"
+    assert "r" not in processor.requests
+
+
 def test_messages_are_msgspec_never_pickle(llm):
     """Every frame the core sent decodes with msgspec alone, untyped, into plain lists (array_like, the tag
     first); the inputs too; no module of the step uses pickle."""

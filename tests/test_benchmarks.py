@@ -644,12 +644,49 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
     ]
 
 
+def test_frontend_alone_and_a_profile_split_by_category(tmp_path):
+    """engine_core's --profile-frontend parts: step 10's frontend over the synthetic core (every request
+    gets its tokens, one output per choice for the steps waiting), and a profile's own time put in
+    categories, builtins by their callers."""
+    from types import SimpleNamespace
+
+    from benchmarks import engine_core
+    from benchmarks.lib import profiled
+    from benchmarks.lib.models import snapshot
+
+    folder = snapshot("demo")
+    alone = engine_core.frontend_alone("step10_engine_core", folder, requests=8, max_tokens=4, runs=1)
+    assert alone["server"]["steps"] == alone["llm"]["steps"] == 4
+    assert alone["server"]["events_per_token"] == 1 / 4  # the core ahead: 4 steps at once, 1 event each
+    assert sum(alone["server"]["share"].values()) == pytest.approx(1.0)
+
+    # a pstats table: (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers), where
+    # callers maps a caller to the same figures for the calls from there
+    wide, narrow, leaf = ("a.py", 1, "wide"), ("a.py", 5, "narrow"), ("a.py", 9, "leaf")
+    builtin = ("~", 0, "len")
+    stats = SimpleNamespace(
+        stats={
+            wide: (1, 1, 1.0, 8.0, {}),
+            narrow: (1, 1, 1.0, 3.0, {}),
+            leaf: (4, 4, 2.0, 8.0, {wide: (3, 3, 1.5, 6.0), narrow: (1, 1, 0.5, 2.0)}),
+            builtin: (4, 4, 6.0, 6.0, {leaf: (4, 4, 6.0, 6.0)}),
+        }
+    )
+    seconds = profiled.shares(stats, [("wide", r"\(wide\)"), ("narrow", r"\(narrow\)")])
+    # leaf's 2 s and its builtin's 6 s go 3:1, as leaf's time from each caller (6 s, 2 s)
+    assert seconds == {"wide": 1.0 + 0.75 * 8.0, "narrow": 1.0 + 0.25 * 8.0, "other": 0.0}
+    assert [r["function"] for r in profiled.top_functions(stats, "tottime", 2)] == ["len", "a.py:9(leaf)"]
+
+
 def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
     from benchmarks.__main__ import parse_args
 
     assert parse_args(["gpu", "--dtype", "float32", "--dtype", "bfloat16"]).dtypes == ["float32", "bfloat16"]
     assert parse_args(["gpu", "--workload", "short"]).workloads == ["short"]
+    assert parse_args(["engine_core", "--profile-frontend"]).profile_frontend
     bad = [
+        ["gpu", "--profile-frontend"],
+        ["engine_core", "--profile-frontend", "--replot"],
         ["kvcache", "--dtype", "float16"],
         ["gpu", "--dtype", "float64"],
         ["gpu", "--dtype", "float32", "--replot"],

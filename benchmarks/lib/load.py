@@ -199,7 +199,9 @@ def summarise(run: dict) -> dict:
 
 class ServerProcess:
     """``python -m <package>`` (step 6's server or a later step's) on a free loopback port for the duration
-    of a ``with`` block; yields its URL. ``extra``: more command-line flags.
+    of a ``with`` block; yields its URL. ``extra``: more command-line flags. profile_to: run it under
+    ``benchmarks.lib.profiled`` (cProfile, switched on and off by SIGUSR1 / SIGUSR2; ``proc`` is the
+    process), the stats written to this file when it exits.
 
     Raises ConnectionError if the server does not start (its stderr in the message)."""
 
@@ -211,11 +213,13 @@ class ServerProcess:
         extra: tuple[str, ...] = (),
         max_num_seqs: int = 16,
         block_size: int = 16,
+        profile_to: Path | None = None,
     ):
         self.package = package
         self.args = [
             sys.executable,
             "-m",
+            *(("benchmarks.lib.profiled", str(profile_to)) if profile_to else ()),
             package,
             "--model",
             str(folder),
