@@ -3,11 +3,11 @@
 Steps 6-9 stepped the engine in a thread of the server, so the server's work on every token shared one
 interpreter lock with the steps. Here the core runs in a process of its own (engine_core.py), reached
 through an ``AsyncMPClient``; ``submit`` adds requests to the ``OutputProcessor`` and sends them; one task,
-the *output handler*, reads one ``EngineCoreOutputs`` per engine step, makes the text (output_processor.py),
-puts each output into its request's ``RequestOutputCollector`` and aborts in the core what a stop string
-ended. A stream closed (a client gone) aborts its requests; the core dying fails every open stream with
-``EngineDeadError``, turns ``alive`` False (503) and calls ``on_dead`` (the command line exits 1).
-Source: vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``); Yu et al. 2022, "Orca" (OSDI).
+the *output handler*, reads each step's ``EngineCoreOutputs`` (behind the core: those waiting, together),
+makes the text (output_processor.py), puts the outputs into their ``RequestOutputCollector``s and aborts
+in the core what a stop string ended. A stream closed aborts its requests; the core dying fails every open
+stream with ``EngineDeadError``, turns ``alive`` False (503) and calls ``on_dead`` (the command line exits
+1). Source: vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``); Yu et al. 2022, "Orca" (OSDI).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .sequence import RequestOutput
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DRAIN_TIMEOUT_S = 2.0  # at shutdown, how long the core may take to apply the last aborts
+MAX_STEPS_PER_WAKEUP = 8  # steps read at once when the output handler is behind the core
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineRequest", "QueueFullError", "RequestStream"]
 
@@ -214,18 +215,21 @@ class AsyncEngine:
     async def _output_handler(self) -> None:
         try:
             while True:
-                core_outputs = await self.client.get_output_async()
-                done = self.output_processor.process_outputs(core_outputs.outputs)
+                steps = [await self.client.get_output_async()]
+                while len(steps) < MAX_STEPS_PER_WAKEUP and (more := self.client.get_output_nowait()):
+                    steps.append(more)  # behind the core: the steps waiting, one output per choice for all
+                done = self.output_processor.process_outputs([o for s in steps for o in s.outputs])
                 for request_id, index in done.to_abort:  # a stop string: the core would go on
                     self.client.abort_request(request_id, index)
                 for state, error in done.failed:  # the core refused it (its own word)
                     if (r := self._routes.pop(state.request_id, None)) is not None:
                         r.collector.fail(ValueError(error))
-                self._route(done.request_outputs, core_outputs.timestamp, time.perf_counter())
-                self._num_received = core_outputs.num_received
-                self._publish(core_outputs.stats)
+                self._route(done.request_outputs, steps[0].timestamp, time.perf_counter())
+                self._num_received = steps[-1].num_received
+                for core_outputs in steps:
+                    self._publish(core_outputs.stats)
                 self._stepped.set()
-                await asyncio.sleep(0)  # the handlers take this step's outputs before the next is read
+                await asyncio.sleep(0)  # the handlers take these outputs before the next steps are read
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 -- the core died (EngineDeadError), or this task failed
@@ -243,13 +247,15 @@ class AsyncEngine:
 
     def _route(self, outputs: list[RequestOutput], step_started: float, now: float) -> None:
         """Put each output into its request's collector, and measure. step_started: when the core began
-        the step (its clock is this machine's monotonic clock, as this process's ``perf_counter``)."""
-        m = self.metrics
+        the (first) step they come from (its clock is this machine's monotonic clock, as this process's
+        ``perf_counter``)."""
+        m, tokens = self.metrics, 0
         for out in outputs:
             r = self._routes.get(out.request_id)
             if r is None:
                 continue
             completion = out.outputs[0]
+            tokens += len(completion.token_ids)
             if m:  # each choice as a request (as step 8's n requests, vLLM's child requests): DELTA has one
                 if completion.index not in r.last_output:  # the choice's first output
                     m.ttft.observe(now - r.submitted)
@@ -257,7 +263,6 @@ class AsyncEngine:
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
                 else:
                     m.itl.observe(now - r.last_output[completion.index])
-                m.generation_tokens.inc(len(completion.token_ids))
                 if completion.finished:
                     m.e2e.observe(now - r.submitted)
                     m.success(completion.finish_reason or "stop")
@@ -266,6 +271,8 @@ class AsyncEngine:
             if out.finished:
                 del self._routes[out.request_id]
             r.collector.put(out)
+        if m and tokens:
+            m.generation_tokens.inc(tokens)  # once per call
 
     def _publish(self, s: EngineCoreStats) -> None:
         prev = self.stats

@@ -284,3 +284,11 @@ class AsyncMPClient(MPClient):
             self._async_output = zmq.asyncio.Socket.from_socket(self.output)
             self._link.sockets.insert(0, self._async_output)
         return self._received(await self._async_output.recv(copy=False))
+
+    def get_output_nowait(self) -> EngineCoreOutputs | None:
+        """The next step's outputs if they have arrived already, else None."""
+        try:
+            frame = self.output.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self._received(frame)

@@ -12,6 +12,7 @@ thread exits within a second, removing the socket directory, if its parent dies 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -146,6 +147,8 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
             outputs.send(encoder.encode(EngineCoreDead(type(e).__name__, str(e), during_startup=True)))
             return 1
         outputs.send(encoder.encode(core.ready()))
+        gc.collect()
+        gc.freeze()  # the engine, its model and pool live on: no collection scans them again (vLLM #24008)
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         while True:

@@ -37,15 +37,12 @@ class ChoiceState:
         self.text = ""  # released output text
         self.pending = ""  # decoded text held back: it may be the start of a stop string
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.finished = False  # finish_reason is set (an attribute, not a property: read for every token)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_sent_tokens = 0  # what earlier DELTA outputs carried
         self.num_sent_chars = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
     def append(
         self,
@@ -66,7 +63,7 @@ class ChoiceState:
         hit = None
         if finish_reason == "stop":  # a stop token or the end of sequence
             self.finish("stop", stop_reason)
-        elif (hit := self._first_stop_string()) is not None:
+        elif self.params.stop and (hit := self._first_stop_string()) is not None:
             cut, stop = hit
             self.finish("stop", stop_reason=stop)
             self.pending = self.pending[:cut]
@@ -75,6 +72,8 @@ class ChoiceState:
         if self.finished:
             if hit is None:  # text after a stop string is dropped; anything else is flushed
                 self.pending += self.detokenizer.flush()
+            released, self.pending = self.pending, ""
+        elif not self.params.stop:  # nothing to hold back
             released, self.pending = self.pending, ""
         else:
             held = self._stop_prefix_length()
@@ -86,6 +85,7 @@ class ChoiceState:
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         """End the choice: reason "stop", "length" or "abort"."""
+        self.finished = True
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.metrics.finished_time = time.perf_counter()
@@ -147,37 +147,39 @@ class RequestState:
     def finished(self) -> bool:
         return all(choice.finished for choice in self.choices)
 
-    def output(self, choice: ChoiceState) -> RequestOutput | None:
-        """The output due now under the request's ``output_kind``, after ``choice`` advanced: everything
-        so far (CUMULATIVE), what is new since the last output (DELTA; every ``stream_interval`` tokens),
-        or nothing until the request has finished (FINAL_ONLY). A choice of n > 1 outputs its own
-        completion under the request's id, and with FINAL_ONLY the last choice to finish outputs every
-        choice's."""
+    def due(self, choice: ChoiceState) -> bool:
+        """Whether an output is due after ``choice`` advanced, under the request's ``output_kind``: at
+        every token (CUMULATIVE: everything so far; DELTA: what is new since the last output, every
+        ``stream_interval`` tokens), or once, when the request has finished (FINAL_ONLY: the last choice
+        to finish outputs every choice's)."""
         kind = self.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
-            return None
-        if (
-            kind is RequestOutputKind.DELTA
-            and self.stream_interval > 1
-            and not choice.finished
-            and choice.num_sent_tokens > 0
-            and len(choice.output_token_ids) - choice.num_sent_tokens < self.stream_interval
-        ):
-            return None
-        several = kind is RequestOutputKind.FINAL_ONLY and len(self.choices) > 1
+        if kind is RequestOutputKind.FINAL_ONLY:
+            return choice.finished and self.finished
+        return (
+            kind is not RequestOutputKind.DELTA
+            or self.stream_interval == 1
+            or choice.finished
+            or choice.num_sent_tokens == 0
+            or len(choice.output_token_ids) - choice.num_sent_tokens >= self.stream_interval
+        )
+
+    def output(self, choice: ChoiceState, finished: bool) -> RequestOutput:
+        """The output of ``choice`` (a choice of n > 1 outputs its own completion under the request's id;
+        with FINAL_ONLY, every choice's); finished: it is the request's last."""
+        several = self.params.output_kind is RequestOutputKind.FINAL_ONLY and len(self.choices) > 1
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[c.completion() for c in (self.choices if several else [choice])],
-            finished=self.finished,
+            finished=finished,
             metrics=choice.metrics,
         )
 
 
 @dataclass
 class ProcessedOutputs:
-    """What one step's outputs made: request_outputs (the outputs due, for the caller to route), to_abort
+    """What a call's outputs made: request_outputs (the outputs due, for the caller to route), to_abort
     ((request id, choice index) of choices a stop string ended, to abort in the core), failed ((state,
     the core's error) of requests the core refused; their states are gone)."""
 
@@ -219,8 +221,9 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Advance each output's choice (text, stop strings); return the outputs due, and which choices to
-        abort in the core."""
-        done = ProcessedOutputs()
+        abort in the core. ``outputs``: one step's, or several steps' in order (a frontend behind the
+        core): then a choice's outputs due are one, holding all that is new (built once, at the end)."""
+        done, due = ProcessedOutputs(), {}  # choice -> (its request, finished) of the outputs due, in order
         for out in outputs:
             state = self.requests.get(out.request_id)
             if state is None:
@@ -248,10 +251,13 @@ class OutputProcessor:
                     break
             if choice.finished and out.finish_reason is None:  # a stop string: the core goes on till told
                 done.to_abort.append((out.request_id, out.index))
-            if (request_output := state.output(choice)) is not None:
-                done.request_outputs.append(request_output)
-            if state.finished:
+            finished = choice.finished and state.finished
+            if state.due(choice):  # (again: to the end, so that a request's finished output is its last)
+                due.pop(choice, None)
+                due[choice] = state, finished
+            if finished:
                 del self.requests[out.request_id]
+        done.request_outputs = [state.output(c, finished) for c, (state, finished) in due.items()]
         return done
 
 
