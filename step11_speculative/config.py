@@ -135,8 +135,8 @@ class EngineArgs:
     )
     enforce_eager: bool = engine_arg(
         False,
-        "capture no CUDA graphs: every step runs eagerly (on a CPU it always does); decode-only batches are "
-        "padded to the capture ladder's sizes all the same",
+        "capture no CUDA graphs: every step runs eagerly (on a CPU it always does); decode-only and uniform "
+        "verification batches are padded to the capture ladder's sizes all the same",
         BOOL,
         action="store_true",
     )

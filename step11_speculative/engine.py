@@ -37,7 +37,8 @@ class LLMEngine:
 
     attention_backend: "triton" or "torch", as ``EngineArgs`` resolved it; the Triton kernels are compiled
     here, on a CUDA device, before the first request. Then, on a CUDA device and unless ``enforce_eager``,
-    the decode step is captured in CUDA graphs (``ModelRunner.capture_cudagraphs``), printed on stderr.
+    the decode step is captured in CUDA graphs (``ModelRunner.capture_cudagraphs``), with speculation the
+    uniform verification step too, printed on stderr.
     enable_prefix_caching: full blocks of computed tokens stay in the cache for later requests with the
     same prefix (block_manager.py); off, every prompt is computed whole.
 
@@ -96,19 +97,23 @@ class LLMEngine:
             args.max_num_seqs,
             args.max_num_batched_tokens,
             scratch_block=args.num_kv_blocks,
+            num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else 0,
         )
         if self.attention_backend == "triton" and self.device.type == "cuda":  # compile before any request
             kernels.warm_up(
                 self.config.n_head, self.config.head_dim, args.block_size, self.dtype, self.device
             )
-        # the decode step in CUDA graphs, after the warm-up: no compiling in a capture
+        # the decode step (and the uniform verification) in CUDA graphs, after the warm-up: no compiling in
+        # a capture
         if self.device.type == "cuda" and not args.enforce_eager:
-            stats = self.model_runner.capture_cudagraphs()
-            print(
-                f"captured {len(stats.sizes)} CUDA graphs (batch sizes {', '.join(map(str, stats.sizes))}) "
-                f"in {stats.seconds:.2f} s, {stats.memory_bytes / 2**20:.0f} MiB of GPU memory",
-                file=sys.stderr,
-            )
+            for stats, what in zip(
+                self.model_runner.capture_cudagraphs(), ("batch sizes", "verification, tokens")
+            ):
+                print(
+                    f"captured {len(stats.sizes)} CUDA graphs ({what} {', '.join(map(str, stats.sizes))}) "
+                    f"in {stats.seconds:.2f} s, {stats.memory_bytes / 2**20:.0f} MiB of GPU memory",
+                    file=sys.stderr,
+                )
         self.requests: dict[str, Sequence] = {}  # unfinished sequences by id (each choice of n > 1 has one)
         self.parents: dict[str, ParentRequest] = {}  # requests of n > 1 choices, until all have finished
         self.aborted: list[EngineCoreOutput] = []  # final outputs of aborted requests, for the next step
@@ -201,10 +206,11 @@ class LLMEngine:
         self.propose()
         with self.placeholders():  # the in-flight tokens count in their sequences' lengths
             scheduled = self.scheduler.schedule()
-            self.scheduler.spec.num_eager_verify_steps += bool(scheduled.verifies)  # never in a graph
             # copy-on-write: a shared block is copied before this step writes into it
             self.kv_cache.copy_blocks(list(scheduled.blocks_to_copy.values()))
             launched = self.model_runner.launch(scheduled) if scheduled.seqs else None
+            if scheduled.verifies and not launched.replayed:  # not a uniform step, or no graphs
+                self.scheduler.spec.num_eager_verify_steps += 1
         previous, self.in_flight = self.in_flight, launched
         if previous is not None:  # the GPU runs the step just launched meanwhile
             outputs += self.process_outputs(previous)
@@ -215,14 +221,16 @@ class LLMEngine:
 
     def propose(self) -> None:
         """Draft the next tokens of every running sequence that may speculate (spec_decode.py): k, or fewer
-        where its max_tokens or the window leaves less room (the verification emits up to k + 1)."""
+        where the window (max_model_len) leaves less room (the verification emits up to k + 1). Not cut at
+        a sequence's max_tokens: what passes it is verified and dropped (``Sequence.append`` ends the
+        sequence there), so that a step near the end of a request stays uniform (a CUDA graph)."""
         spec, running = self.speculative, self.scheduler.running
         if spec is None or (
             spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
         ):
             return
         seqs = [seq for seq in running if seq.params.logprobs is None and not uses_penalty(seq.params)]
-        ks = [min(spec.num_speculative_tokens, seq.max_len - len(seq) - 1) for seq in seqs]
+        ks = [min(spec.num_speculative_tokens, self.max_model_len - len(seq) - 1) for seq in seqs]
         self.proposer.propose_all(seqs, ks)
 
     @contextlib.contextmanager

@@ -3,8 +3,8 @@
 One int64 buffer, allocated once, holds every input of a step, on the host (pinned with CUDA, a numpy view)
 and on the device, for a CUDA graph replays fixed addresses (vLLM v1's persistent batch). A running sequence
 owns a *row* of a persistent block table, written when it joins and at each new block; per step the host
-writes the lanes' fields, one copy moves them. Padding lanes own nothing (token 0 at position 0, the scratch
-slot, length 1, ``PADDING_ROW``); verifications are prefills. Shapes: T tokens a step, R rows, M blocks a row.
+writes the lanes' fields, one copy moves them. Padding lanes own nothing (``PADDING_ROW``, the scratch slot;
+q tokens at 0..q - 1, q = 1 + k in a uniform verification, else 1). Shapes: T tokens, R rows, M blocks a row.
 
 Step 8: decode lanes' ids are gathered on the device, ``input_ids[lane] = last_token[rows[lane]]`` (the
 sampler fills ``last_token`` [R + 1] by row); ``prepare`` waits for the last copy's event before writing.
@@ -20,6 +20,18 @@ import torch
 from .scheduler import SchedulerOutput
 
 PADDING_ROW = 0  # block-table row of the padding lanes; sequences get rows 1..R
+
+
+def is_uniform(scheduled: SchedulerOutput, query_len: int) -> bool:
+    """Whether every lane of the step feeds ``query_len`` new tokens and none is a prefill: a decode-only step
+    (query_len 1) or a *uniform verification* step (1 + k: every lane a verification of k drafts), the
+    steps that are padded to a rung of the capture ladder (vLLM's "uniform decode" batches,
+    ``uniform_decode_query_len`` in ``vllm/v1/cudagraph_dispatcher.py``)."""
+    if scheduled.prefills or (scheduled.verifies and scheduled.decodes):
+        return False
+    if scheduled.decodes:
+        return query_len == 1
+    return all(1 + len(seq.spec_token_ids) == query_len for seq in scheduled.verifies)
 
 
 class CpuGpuBuffer:
@@ -123,23 +135,33 @@ class InputBatch:
         self.num_blocks[row] = min(self.num_blocks[row], num_blocks)
 
     def prepare(
-        self, scheduled: SchedulerOutput, block_tables: dict[str, list[int]], num_lanes: int
+        self,
+        scheduled: SchedulerOutput,
+        block_tables: dict[str, list[int]],
+        num_lanes: int,
+        query_len: int = 1,
     ) -> tuple[int, list[int]]:
         """Write the step's inputs into the host buffer and copy them to the device in one copy.
 
         The lanes are the scheduled sequences in order (prefills, verifications, decodes), then
-        ``num_lanes`` - S padding lanes (decode-only steps only). Returns the number of new tokens N
-        (padding included) and query_start_loc as a host list [num_lanes + 1]. Raises ValueError if
-        prefills are padded.
+        ``num_lanes`` - S padding lanes of ``query_len`` tokens each: 1 in a decode-only step, 1 + k in a
+        uniform verification step (every lane a verification of k drafts). Returns the number of new tokens
+        N (padding included) and query_start_loc as a host list [num_lanes + 1]. Raises ValueError if any
+        other batch is padded.
         """
-        P, S = len(scheduled.prefills) + len(scheduled.verifies), len(scheduled.seqs)
-        if P and num_lanes != S:
-            raise ValueError(f"num_lanes={num_lanes}: only decode-only batches are padded (S={S}, P={P})")
+        S = len(scheduled.seqs)
+        if num_lanes != S and not is_uniform(scheduled, query_len):
+            raise ValueError(
+                f"num_lanes={num_lanes}, query_len={query_len}: only decode-only and uniform verification "
+                f"batches are padded (S={S}, {len(scheduled.prefills)} prefills)"
+            )
         self.buffer.wait_copied()  # the previous step's copy has read the host buffer: it may be written
         self.update_rows(scheduled, block_tables)
-        return self.write_lanes(scheduled, num_lanes)
+        return self.write_lanes(scheduled, num_lanes, query_len)
 
-    def write_lanes(self, scheduled: SchedulerOutput, num_lanes: int) -> tuple[int, list[int]]:
+    def write_lanes(
+        self, scheduled: SchedulerOutput, num_lanes: int, query_len: int = 1
+    ) -> tuple[int, list[int]]:
         """``prepare`` after the rows are up to date: the per-lane fields, then the one copy."""
         P, S = len(scheduled.prefills) + len(scheduled.verifies), len(scheduled.seqs)
         f, bs = self.np, self.block_size
@@ -165,16 +187,19 @@ class InputBatch:
             f["positions"][t : t + D] = lens - 1
             f["slot_mapping"][t : t + D] = self.block_table_np[rows, (lens - 1) // bs] * bs + (lens - 1) % bs
             f["seq_lens"][P:S], f["rows"][P:S] = lens, rows
-        pad = slice(t + D, t + D + num_lanes - S)  # padding lanes: own nothing (token 0: last_token's row 0)
-        f["positions"][pad], f["slot_mapping"][pad] = 0, self.scratch_slot
-        f["seq_lens"][S:num_lanes], f["rows"][S:num_lanes] = 1, PADDING_ROW
-        qsl += range(t + 1, t + 1 + num_lanes - P)
+        qsl += range(t + 1, t + D + 1)
+        t, q = t + D, query_len  # padding lanes: own nothing (a decode's token 0: last_token's row 0)
+        pad = slice(t, t + (num_lanes - S) * q)
+        f["input_ids"][pad], f["slot_mapping"][pad] = 0, self.scratch_slot
+        f["positions"][pad] = np.tile(np.arange(q), num_lanes - S)  # [(num_lanes - S) * q]: 0..q - 1 each
+        f["seq_lens"][S:num_lanes], f["rows"][S:num_lanes] = q, PADDING_ROW
+        qsl += range(t + q, pad.stop + 1, q)
         f["query_start_loc"][: num_lanes + 1] = qsl
         highest_row = int(f["rows"][:num_lanes].max(initial=PADDING_ROW))
         self.buffer.copy_to_gpu(self.table_offset + (highest_row + 1) * self.max_blocks)
         return qsl[-1], qsl
 
-    def fill_padding(self, num_lanes: int) -> None:
-        """Make every one of ``num_lanes`` lanes a padding lane, on the host and the device: the inputs a
-        graph is captured with (its warm-up runs write only the scratch slot)."""
-        self.write_lanes(SchedulerOutput(), num_lanes)
+    def fill_padding(self, num_lanes: int, query_len: int = 1) -> None:
+        """Make every one of ``num_lanes`` lanes a padding lane of ``query_len`` tokens, on the host and the
+        device: the inputs a graph is captured with (its warm-up runs write only the scratch slot)."""
+        self.write_lanes(SchedulerOutput(), num_lanes, query_len)

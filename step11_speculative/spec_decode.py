@@ -3,9 +3,9 @@
 ``SpeculativeConfig`` is ``EngineArgs.speculative_config`` checked (vLLM's field names). ``NgramProposer``
 is prompt lookup (apoorvumang/prompt-lookup-decoding; vLLM's ``ngram_proposer.py``): find the most recent
 earlier occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
-``prompt_lookup_min``, and propose the k tokens that followed it. One numpy comparison over the id array
-per n and sequence, no loop per token. The target model checks every guess in one forward pass
-(rejection_sampler.py), so a wrong guess costs compute, never correctness.
+``prompt_lookup_min``, and propose the k tokens that followed it, always k (periodic past the end; no match:
+the last token again), so that a step is a uniform verification (model_runner.py). One numpy comparison per
+n and sequence. The target checks every guess (rejection_sampler.py): a wrong one costs compute, not output.
 """
 
 from __future__ import annotations
@@ -128,14 +128,14 @@ class SpecDecodingStats:
 
 
 class NgramProposer:
-    """Prompt lookup over each sequence's own ids (prompt and output). ``propose(ids, k)``: up to k
-    proposed ids (fewer near the end of the ids, none without a match)."""
+    """Prompt lookup over each sequence's own ids (prompt and output). ``propose(ids, k)``: exactly k
+    proposed ids (k >= 1)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose_all(self, seqs: list, ks: list[int]) -> None:
-        """Set each sequence's ``spec_token_ids``: ``propose`` over its ids, up to its k."""
+        """Set each sequence's ``spec_token_ids``: ``propose`` over its ids, its k of them."""
         for seq, k in zip(seqs, ks):
             seq.spec_token_ids = self.propose(seq.token_ids, k)
 
@@ -143,10 +143,17 @@ class NgramProposer:
         """Nothing to give back: prompt lookup keeps no state."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """The k ids that followed the most recent earlier occurrence of the last n ids, for the largest
-        n in [min_n, max_n] that has one; [] if none does or k < 1. token_ids: [L] the sequence so far."""
+        """k ids: those that followed the most recent earlier occurrence of the last n ids, for the largest
+        n in [min_n, max_n] that has one; [] if k < 1. token_ids: [L] the sequence so far (L >= 1).
+
+        Always k, so that every lane of a step verifies 1 + k tokens and the step replays a CUDA graph (a
+        uniform verification, model_runner.py): a match whose continuation reaches the end of the ids
+        after d < k tokens goes on periodically with period d (what repeated once is guessed to repeat
+        again: ids[L + j] = ids[L + j - d]); no match at all proposes the last id k times. These are guesses
+        like any other: the verification keeps the output exact whatever the drafts are.
+        """
         L = len(token_ids)
-        if k < 1 or L < self.min_n + 1:
+        if k < 1:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)  # [L]
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
@@ -154,6 +161,6 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(ids[: L - 1], n)  # [L - n, n]
             hits = np.flatnonzero((windows == ids[L - n :]).all(axis=1))  # window starts that match
             if hits.size:
-                start = int(hits[-1]) + n  # what followed the most recent match
-                return ids[start : start + k].tolist()
-        return []
+                start = int(hits[-1]) + n  # what followed the most recent match, d = L - start ids of it
+                return ids[start + np.arange(k) % (L - start)].tolist()  # [k], periodic past the end
+        return [token_ids[-1]] * k

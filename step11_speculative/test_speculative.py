@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from .config import EngineArgs
+from .cuda_graph import padded_size
 from .engine import LLMEngine
+from .input_batch import PADDING_ROW
 from .llm import LLM
 from .rejection_sampler import rejection_sample, warp
 from .sampling_params import SamplingParams
@@ -79,6 +81,38 @@ def test_greedy_equals_for_every_k_and_ngram_range(demo_snapshot, plain, k):
     )
     assert greedy_ids(llm, max_tokens=24) == greedy_ids(plain, max_tokens=24)
     assert_no_block_held(llm)
+
+
+# prompts for batches wider than a rung: PROMPTS, then again with a tail each
+MANY = [PROMPTS[i % len(PROMPTS)] + " and" * (i // len(PROMPTS)) for i in range(17)]
+
+
+@pytest.mark.parametrize("batch", [3, 5, 9, 17])
+def test_uniform_verification_is_padded_to_a_rung(demo_snapshot, plain, batch):
+    """A step whose every lane is a verification of k drafts is padded to its rung (padding lanes of
+    1 + k tokens) and runs ``verify_forward``, the pass a CUDA graph captures on a GPU; the real lanes'
+    logits equal the unpadded pass's; the greedy ids equal speculation off. On a CPU (no graph) the
+    padded steps count as eager verification steps."""
+    spec = LLM(model=str(demo_snapshot), block_size=BLOCK, max_num_seqs=32, speculative_config=NGRAM)
+    runner, q = spec.engine.model_runner, 1 + NGRAM["num_speculative_tokens"]
+    assert runner.capture_sizes == [1, 2, 4, 8, 16, 32]
+    lanes = []  # (real lanes, padded lanes) of every padded verification
+    verify_forward = runner.verify_forward
+
+    def spy(num_lanes: int) -> torch.Tensor:
+        logits = verify_forward(num_lanes)  # [num_lanes * q, V]
+        real = int((runner.input_batch.np["rows"][:num_lanes] != PADDING_ROW).sum())
+        lanes.append((real, num_lanes))
+        torch.testing.assert_close(logits[: real * q], verify_forward(real))
+        return logits
+
+    runner.verify_forward = spy
+    assert greedy_ids(spec, MANY[:batch], max_tokens=24) == greedy_ids(plain, MANY[:batch], max_tokens=24)
+    assert runner.num_uniform_verify_steps == len(lanes) > 0
+    assert all(n == padded_size(runner.capture_sizes, b) for b, n in lanes)
+    assert (batch, padded_size(runner.capture_sizes, batch)) in lanes  # the whole batch, padded
+    assert spec.stats.num_eager_verify_steps >= len(lanes)
+    assert_no_block_held(spec)
 
 
 def test_a_stop_token_inside_an_accepted_run_cuts_it(plain, spec):
@@ -262,9 +296,55 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     prop = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
     assert prop.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]  # the latest 3-gram match
     assert prop.propose([5, 1, 2, 6, 0, 2], 2) == [6, 0]  # no 3- or 2-gram: the 1-gram [2]
-    assert prop.propose([1, 2, 3, 4], 2) == []  # no match at all
-    assert prop.propose([4, 4], 5) == [4]  # what is left after the match
-    assert NgramProposer(SpeculativeConfig(prompt_lookup_min=2)).propose([5, 1, 2, 6, 0, 2], 2) == []
+    assert prop.propose([1, 2, 3, 4], 2) == [4, 4]  # no match at all: the last id, k times
+    assert prop.propose([4, 4], 5) == [4] * 5  # what is left after the match (one id), periodically
+    assert NgramProposer(SpeculativeConfig(prompt_lookup_min=2)).propose([5, 1, 2, 6, 0, 2], 2) == [2, 2]
+
+
+def test_ngram_drafts_are_always_k():
+    """A continuation that reaches the end after d < k ids goes on with period d; no match (or a single
+    id) proposes the last id k times; k < 1 proposes nothing."""
+    prop = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    assert prop.propose([5, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]  # the 2-gram [1, 2] at d = 3
+    assert prop.propose([9, 7, 8, 9, 7, 8, 9], 7) == [7, 8, 9, 7, 8, 9, 7]  # the 3-gram [7, 8, 9]: d = 3
+    assert prop.propose([3, 6, 6], 4) == [6, 6, 6, 6]  # the 1-gram [6] at d = 1
+    assert prop.propose([7], 3) == [7, 7, 7]
+    assert prop.propose([1, 2, 3], 0) == []
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ids = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=rng)),), generator=rng).tolist()
+        k = int(torch.randint(1, 9, (1,), generator=rng))
+        assert len(prop.propose(ids, k)) == k
+
+
+def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
+    """Drafts are k until the window (max_model_len: 48 tokens here, a pool of 12 blocks) leaves less
+    room, then max_model_len - len - 1 (that step verifies eagerly); a request's max_tokens does not cut
+    them (what passes it is dropped). Greedy ids equal speculation off either way."""
+    args = dict(model=str(demo_snapshot), block_size=BLOCK, num_kv_blocks=12)
+    engine, plain = LLMEngine(**args, speculative_config=NGRAM), LLMEngine(**args)
+    assert engine.max_model_len == 48
+    seen = []  # (length, drafts) of every sequence proposed for
+    propose_all = engine.proposer.propose_all
+
+    def spy(seqs, ks):
+        propose_all(seqs, ks)
+        seen.extend((len(seq), len(seq.spec_token_ids)) for seq in seqs)
+
+    engine.proposer.propose_all = spy
+    prompt = engine.tokenizer.encode(PROMPTS[4])
+    for llm_engine in (engine, plain):
+        for m in range(len(prompt) - 4, len(prompt)):  # to the window: lengths of every residue mod 1 + k
+            llm_engine.add_request(str(m), prompt[:m], SamplingParams(max_tokens=48 - m, temperature=0))
+        llm_engine.add_request("short", prompt[:5], SamplingParams(max_tokens=3, temperature=0))
+    got, want = ({}, {})
+    for llm_engine, out in ((engine, got), (plain, want)):
+        while llm_engine.has_unfinished_requests():
+            for o in llm_engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert got == want and len(got["short"]) == 3
+    assert all(n == min(4, 48 - L - 1) for L, n in seen) and all(L + n < 48 for L, n in seen)
+    assert any(n < 4 for _, n in seen) and (6, 4) in seen  # the window cut some; "short" (5 + 1) got 4
 
 
 @pytest.mark.parametrize(
@@ -400,7 +480,45 @@ def test_verification_through_the_triton_kernel(demo_snapshot, plain):
     llm = LLM(
         model=str(demo_snapshot), block_size=BLOCK, speculative_config=NGRAM, attention_backend="triton"
     )
-    assert greedy_ids(llm, prompts=PROMPTS[3:5], max_tokens=12) == greedy_ids(
-        plain, prompts=PROMPTS[3:5], max_tokens=12
+    assert greedy_ids(llm, prompts=PROMPTS[3:6], max_tokens=12) == greedy_ids(
+        plain, prompts=PROMPTS[3:6], max_tokens=12
     )
     assert llm.stats.spec_decode_num_accepted_tokens > 0
+    assert llm.engine.model_runner.num_uniform_verify_steps > 0  # 3 lanes padded to 4: the graphs' pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_verification_replays_its_cuda_graph(demo_snapshot, batch):
+    """fp32 on CUDA, CUDA graphs, the Triton backend: an extractive batch (prompts that repeat, far from
+    the window) verifies in uniform steps only, each replaying its rung's graph (no eager verification
+    step); the replayed logits of the real lanes equal the eager padded pass's bit for bit; the greedy ids
+    equal speculation off."""
+    prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[5], PROMPTS[3] + "\ndef k(x): return x"][:batch]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    args = dict(model=str(demo_snapshot), device="cuda", multiprocessing=False)
+    spec = LLM(**args, speculative_config=NGRAM)
+    runner, q = spec.engine.model_runner, 1 + NGRAM["num_speculative_tokens"]
+    assert runner.attention_backend == "triton" and runner.verify_graph_runner is not None
+    assert runner.verify_graph_runner.stats.sizes == [b * q for b in runner.capture_sizes]
+    replays = []  # the token count of every verification replay
+    replay = runner.verify_graph_runner.replay
+
+    def spy(size: int) -> torch.Tensor:
+        logits = replay(size)  # [size, V]
+        real = int((runner.input_batch.np["rows"][: size // q] != PADDING_ROW).sum()) * q
+        with torch.inference_mode():
+            eager = runner.verify_forward(size // q)  # the same buffers, eagerly
+        assert torch.equal(logits[:real], eager[:real]), (logits[:real] - eager[:real]).abs().max().item()
+        replays.append(size)
+        return logits
+
+    runner.verify_graph_runner.replay = spy
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params)]
+    assert got == want
+    s = spec.stats
+    assert replays and len(replays) == runner.num_uniform_verify_steps
+    assert s.num_eager_verify_steps == 0 and s.spec_decode_num_accepted_tokens > 0
+    assert_no_block_held(spec)
