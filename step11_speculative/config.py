@@ -21,8 +21,8 @@ from .model import kernels
 from .spec_decode import SpeculativeConfig, check_draft
 
 # multiprocessing=None: the engine core in a child process on CUDA? (never on a CPU, where the two processes
-# would share its cores); set from the H200 measurement of LLM.generate (step 10's README)
-MULTIPROCESSING_ON_CUDA = True
+# would share its cores); set from the H200 measurement of LLM.generate: not faster there (step 10's README)
+MULTIPROCESSING_ON_CUDA = False
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
