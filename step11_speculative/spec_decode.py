@@ -4,12 +4,13 @@
 is prompt lookup (apoorvumang/prompt-lookup-decoding; vLLM's ``ngram_proposer.py``): find the most recent
 earlier occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
 ``prompt_lookup_min``, and propose the k tokens that followed it, always k (periodic past the end; no match:
-the last token again), so that a step is a uniform verification (model_runner.py). One numpy comparison per
-n and sequence. The target checks every guess (rejection_sampler.py): a wrong one costs compute, not output.
+the last token again), so that a step is a uniform verification (model_runner.py). Every sequence of a step
+at once: n comparisons of one [B, L] array per n. The target checks every guess (rejection_sampler.py): a wrong one costs compute, not output.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field, fields
 
@@ -128,39 +129,55 @@ class SpecDecodingStats:
 
 
 class NgramProposer:
-    """Prompt lookup over each sequence's own ids (prompt and output). ``propose(ids, k)``: exactly k
-    proposed ids (k >= 1)."""
+    """Prompt lookup over each sequence's own ids (prompt and output), every sequence of a step at once.
+    ``propose(ids, k)``: one sequence's k proposed ids (k >= 1)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose_all(self, seqs: list, ks: list[int]) -> None:
-        """Set each sequence's ``spec_token_ids``: ``propose`` over its ids, its k of them."""
-        for seq, k in zip(seqs, ks):
-            seq.spec_token_ids = self.propose(seq.token_ids, k)
+        """Set each sequence's ``spec_token_ids``: ``propose_batch`` over their ids, its k of them."""
+        for seq, drafts in zip(seqs, self.propose_batch([seq.token_ids for seq in seqs], ks)):
+            seq.spec_token_ids = drafts
 
     def release(self, seq_id: str) -> None:
         """Nothing to give back: prompt lookup keeps no state."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """k ids: those that followed the most recent earlier occurrence of the last n ids, for the largest
-        n in [min_n, max_n] that has one; [] if k < 1. token_ids: [L] the sequence so far (L >= 1).
+        """``propose_batch`` of one sequence."""
+        return self.propose_batch([token_ids], [k])[0]
 
-        Always k, so that every lane of a step verifies 1 + k tokens and the step replays a CUDA graph (a
-        uniform verification, model_runner.py): a match whose continuation reaches the end of the ids
+    def propose_batch(self, token_ids: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """For each sequence (ids [L_i], L_i >= 1): its k_i ids that followed the most recent earlier
+        occurrence of its last n ids, for the largest n in [min_n, max_n] that has one; [] if k_i < 1.
+
+        Always k_i, so that every lane of a step verifies 1 + k tokens and the step replays a CUDA graph
+        (a uniform verification, model_runner.py): a match whose continuation reaches the end of the ids
         after d < k tokens goes on periodically with period d (what repeated once is guessed to repeat
-        again: ids[L + j] = ids[L + j - d]); no match at all proposes the last id k times. These are guesses
-        like any other: the verification keeps the output exact whatever the drafts are.
+        again: ids[L + j] = ids[L + j - d]); no match at all proposes the last id k times. These are
+        guesses like any other: the verification keeps the output exact whatever the drafts are. The
+        sequences are right-aligned in one [B, L] array (-1 before each one's first id, which matches no
+        id), so that each n costs n comparisons of [B, L] arrays, not a loop over the sequences.
         """
-        L = len(token_ids)
+        B, k = len(token_ids), max(ks, default=0)
         if k < 1:
-            return []
-        ids = np.asarray(token_ids, dtype=np.int64)  # [L]
+            return [[] for _ in ks]
+        lens = np.array([len(ids) for ids in token_ids])  # [B]
+        L = int(lens.max())
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(lens.sum()))
+        ids = np.full((B, L), -1, dtype=np.int64)  # [B, L], right-aligned: each sequence ends at column L
+        rows = np.repeat(np.arange(B), lens)  # each id's sequence, and its column: L - L_i + its index in it
+        ids[rows, np.arange(flat.size) - np.repeat(np.cumsum(lens) - L, lens)] = flat
+        start = np.full(B, -1)  # [B] the column after each sequence's match (-1: none yet)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. L - n - 1 (the suffix itself excluded), each compared with the suffix
-            windows = np.lib.stride_tricks.sliding_window_view(ids[: L - 1], n)  # [L - n, n]
-            hits = np.flatnonzero((windows == ids[L - n :]).all(axis=1))  # window starts that match
-            if hits.size:
-                start = int(hits[-1]) + n  # what followed the most recent match, d = L - start ids of it
-                return ids[start + np.arange(k) % (L - start)].tolist()  # [k], periodic past the end
-        return [token_ids[-1]] * k
+            # window starts 0 .. L - n - 1 (the suffix itself excluded), each compared with the suffix
+            hit = np.ones((B, L - n), dtype=bool)  # [B, L - n]
+            for j in range(n):
+                hit &= ids[:, j : j + L - n] == ids[:, L - n + j, None]
+            found = hit.any(axis=1) & (start < 0) & (lens > n)  # [B]: rows whose longest match is this n
+            last = L - n - 1 - np.argmax(hit[:, ::-1], axis=1)  # [B] the most recent matching start
+            start = np.where(found, last + n, start)
+        d = np.where(start >= 0, L - start, 1)  # [B] ids after the match (no match: the last id, d = 1)
+        cols = np.where(start >= 0, start, L - 1)[:, None] + np.arange(k) % d[:, None]  # [B, k]
+        drafts = np.take_along_axis(ids, cols, axis=1).tolist()  # [B, k]
+        return [row[:k_i] if k_i > 0 else [] for row, k_i in zip(drafts, ks)]

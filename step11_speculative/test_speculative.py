@@ -11,6 +11,7 @@ seeded lanes reproducible. The config: every bad field named; a draft with anoth
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import httpx
@@ -315,6 +316,36 @@ def test_ngram_drafts_are_always_k():
         ids = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=rng)),), generator=rng).tolist()
         k = int(torch.randint(1, 9, (1,), generator=rng))
         assert len(prop.propose(ids, k)) == k
+
+
+def reference_lookup(ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup written out one comparison at a time: the oracle of ``propose_batch``."""
+    if k < 1:
+        return []
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        suffix = ids[len(ids) - n :]
+        for start in range(len(ids) - n - 1, -1, -1):  # the most recent window first, the suffix excluded
+            if ids[start : start + n] == suffix:
+                rest = ids[start + n :]  # what followed it, d ids, repeated with period d
+                return [rest[j % len(rest)] for j in range(k)]
+    return [ids[-1]] * k
+
+
+def test_ngram_proposes_for_a_batch_what_it_proposes_for_each_sequence():
+    """The batched lookup (right-aligned rows, one comparison per n and offset) equals the written-out
+    one for every row, over batches of mixed lengths, alphabets, n ranges and k (k < 1 included)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        prop = NgramProposer(SpeculativeConfig(prompt_lookup_min=min_n, prompt_lookup_max=max_n))
+        batch = [
+            [rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randint(1, 40))]
+            for _ in range(rng.randint(1, 9))
+        ]
+        ks = [rng.randint(-1, 6) for _ in batch]
+        want = [reference_lookup(ids, k, min_n, max_n) for ids, k in zip(batch, ks)]
+        assert prop.propose_batch(batch, ks) == want
 
 
 def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
