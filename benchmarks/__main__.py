@@ -77,7 +77,7 @@ BENCHMARKS = {
     "speculative": (
         "benchmarks.speculative",
         "11",
-        "what prompt-lookup speculation buys: tok/s, ms/token, acceptance at B = 1-256, extractive vs prose",
+        "what speculation buys (n-gram, the demo draft): tok/s, ms/token, acceptance at B = 1-256",
     ),
 }
 

@@ -1,10 +1,10 @@
-"""Step 11's benchmark: speculative decoding with prompt-lookup drafts against none, on two workloads.
+"""Step 11's benchmark: speculative decoding with prompt-lookup or draft-model drafts against none.
 
 ``extractive`` (a passage, then its first sentence again: the answer repeats the prompt) and ``prose`` (an
 opening line); B requests of the demo checkpoint through ``LLM.generate`` at B = 1, 16, 64, 256 (CPU: 1,
-16, 64), greedy, ``ignore_eos``; ``off`` (no speculation: step 10's path) and ``ngram`` (k = 4, n-grams of
-4 down to 2) alternated in each run. Figures: tok/s, ms per token, acceptance rate, mean acceptance length,
-eager verification steps. Details: benchmarks/README.md.
+16, 64), greedy, ``ignore_eos``; ``off`` (no speculation: step 10's path), ``ngram`` (k = 4, n-grams of 4
+down to 2) and ``draft`` (the demo's draft demo/draft, k = 4) alternated in each run. Figures: tok/s, ms
+per token, acceptance rate, mean acceptance length, eager verification steps. Details: benchmarks/README.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks speculative      # CPU, fp32, 3 runs
     python -m benchmarks speculative --device cuda          # fp16
@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from common.weights import REPO_ROOT
+
 from .lib import harness
 from .lib.models import snapshot
 
@@ -22,6 +24,10 @@ NAME = "speculative"
 DEFAULT_MODELS = ["demo"]
 DEFAULT_RUNS = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# a model's draft for the "draft" engine (the demo draft: demo/train.py at 2 layers, width 128); models
+# not named here run "off" and "ngram" only
+DRAFTS = {"demo": REPO_ROOT / "demo" / "draft"}
+DRAFT_K = 4
 BATCHES = {"cpu": [1, 16, 64], "cuda": [1, 16, 64, 256]}
 MAX_TOKENS = {"cpu": 64, "cuda": 128}
 QUICK = {"batches": [1, 4], "max_tokens": 16}
@@ -44,6 +50,8 @@ OPENINGS = [
 ENGINES = {
     "off": "step11_speculative.LLM(max_num_seqs=B): no speculation (step 10's path; async on CUDA)",
     "ngram": f"step11_speculative.LLM(max_num_seqs=B, speculative_config={NGRAM}) (async scheduling off)",
+    "draft": "step11_speculative.LLM(max_num_seqs=B, speculative_config={'method': 'draft_model', 'model': "
+    f"<DRAFTS[model]>, 'num_speculative_tokens': {DRAFT_K}}}) (models with a draft only: demo -> demo/draft)",
 }
 
 
@@ -114,19 +122,26 @@ def bench_model(name: str, device: str, dtype: str, runs: int, batches: list[int
                 model=str(folder), device=device, dtype=dtype, max_num_seqs=batch, speculative_config=NGRAM
             ),
         }
+        if name in DRAFTS:
+            draft = {"method": "draft_model", "model": str(DRAFTS[name]), "num_speculative_tokens": DRAFT_K}
+            llms["draft"] = step11.LLM(
+                model=str(folder), device=device, dtype=dtype, max_num_seqs=batch, speculative_config=draft
+            )
         for kind in ("extractive", "prose"):
             print(f"  B={batch} {kind}", flush=True)
             calls = {
                 e: measured(llm, step11, prompts(kind, batch), max_tokens, device) for e, llm in llms.items()
             }
             per_run = harness.alternate(calls, runs)
-            out["points"][f"{kind}/{batch}"] = {
+            point = out["points"][f"{kind}/{batch}"] = {
                 "workload": kind,
                 "batch": batch,
                 "runs": per_run,
                 "median": {e: harness.medians(r) for e, r in per_run.items()},
                 "ratio": harness.ratio(per_run["ngram"], per_run["off"], "tok_per_s"),
             }
+            if "draft" in per_run:
+                point["draft_ratio"] = harness.ratio(per_run["draft"], per_run["off"], "tok_per_s")
         for llm in llms.values():
             llm.engine_core.shutdown()  # a child process on CUDA: its GPU memory back before the next point
         del llms
@@ -197,6 +212,24 @@ def report(result: dict) -> str:
             f"{name} ({result['machine']['device']}, {result['machine']['dtype']})",
             harness.table(headers, rows),
         ]
+        drafted = [p for p in model["points"].values() if "draft_ratio" in p]
+        if drafted:
+            rows = [
+                [
+                    p["workload"],
+                    p["batch"],
+                    f"{p['median']['draft']['tok_per_s']:,.0f}",
+                    f"{p['draft_ratio']['median']:.2f}x",
+                    f"{p['median']['draft']['ms_per_token']:.2f}",
+                    f"{100 * p['median']['draft']['acceptance_rate']:.0f} %",
+                    f"{p['median']['draft']['mean_acceptance_length']:.2f}",
+                ]
+                for p in drafted
+            ]
+            headers = ["workload", "B", "draft tok/s", "draft/off", "draft ms/tok", "accepted",
+                       "mean accept len"]  # fmt: skip
+            draft = DRAFTS[name].relative_to(REPO_ROOT) if name in DRAFTS else "a draft model"
+            lines += [f"{name}, speculative_config draft_model {draft}", harness.table(headers, rows)]
     return "\n".join(lines)
 
 
@@ -212,8 +245,9 @@ def plot(result: dict, path: Path) -> Path:
         for ax, kind in zip(row, ("extractive", "prose")):
             points = [p for p in model["points"].values() if p["workload"] == kind]
             batches = [p["batch"] for p in points]
-            for engine in ("off", "ngram"):
-                ax.plot(batches, [p["median"][engine]["tok_per_s"] for p in points], "o-", label=engine)
+            for engine in ("off", "ngram", "draft"):
+                if all(engine in p["median"] for p in points):
+                    ax.plot(batches, [p["median"][engine]["tok_per_s"] for p in points], "o-", label=engine)
             for p in points:
                 ax.annotate(
                     f"{p['ratio']['median']:.2f}x, {100 * p['median']['ngram']['acceptance_rate']:.0f}% acc.",

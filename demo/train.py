@@ -2,6 +2,7 @@
 
     python demo/train.py --data demo/data --out demo/data/run            # one CUDA GPU, bf16 autocast
     python demo/train.py --device cpu --steps 5 --batch-size 2           # CPU smoke test
+    python demo/train.py --device cpu --n-layer 2 --n-embd 128 --n-head 2 ...   # the demo draft (README)
 
 Input: ``train.bin`` / ``val.bin`` from prepare_data.py (flat uint16 token ids, EOS 8191 between documents).
 Output, in ``--out``: the model as ``save_pretrained`` writes it (config.json, model.safetensors in fp32),
@@ -46,14 +47,15 @@ EOS_ID = VOCAB_SIZE - 1  # <|endoftext|>, the last id, as in GPT-2
 PROMPTS = ["The Python interpreter", "A list comprehension", "The following example shows how"]
 
 
-def make_config(dropout: float) -> GPT2Config:
-    """The demo model's architecture: GPT-2's, scaled down (6 layers, 4 heads, width 256, context 512)."""
+def make_config(dropout: float, n_layer: int = 6, n_embd: int = 256, n_head: int = 4) -> GPT2Config:
+    """The demo model's architecture: GPT-2's, scaled down (by default 6 layers, 4 heads, width 256, context
+    512; the demo draft for speculative decoding is 2 layers, 2 heads, width 128)."""
     return GPT2Config(
         vocab_size=VOCAB_SIZE,
         n_positions=512,
-        n_embd=256,
-        n_layer=6,
-        n_head=4,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
         activation_function="gelu_new",
         layer_norm_epsilon=1e-5,
         resid_pdrop=dropout,
@@ -182,6 +184,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200, help="linear warm-up steps")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--dropout", type=float, default=0.2)
+    parser.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--n-embd", type=int, default=256, help="model width")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads (must divide --n-embd)")
     parser.add_argument("--eval-interval", type=int, default=100, help="steps between validation runs")
     parser.add_argument("--log-interval", type=int, default=50, help="steps between progress lines")
     parser.add_argument(
@@ -201,7 +206,7 @@ def main() -> None:
     val_tokens = load_tokens(args.data / "val.bin", device)
     print(f"data: {len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens, device {device}")
 
-    config = make_config(args.dropout)
+    config = make_config(args.dropout, args.n_layer, args.n_embd, args.n_head)
     context = config.n_positions
     model = GPT2LMHeadModel(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())

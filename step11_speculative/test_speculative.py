@@ -28,6 +28,7 @@ from .sampling_params import SamplingParams
 from .spec_decode import NgramProposer, SpeculativeConfig
 
 BLOCK = 4
+DEMO_DRAFT_ACCEPTANCE_FLOOR = 0.1  # the demo draft over PROMPTS, 40 greedy tokens, k = 4: measured 0.15
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [
     "The Python interpreter",
@@ -450,6 +451,22 @@ def test_a_draft_model_keeps_the_greedy_output(demo_snapshot, plain, random_draf
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=5)
     a, b = (llm.generate(PROMPTS[:3], params) for _ in range(2))
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert_no_block_held(llm)
+
+
+def test_the_demo_draft_keeps_the_greedy_output_and_guesses_well(demo_snapshot, plain):
+    """The shipped demo draft (demo/draft: demo/train.py at 2 layers, width 128, the demo's tokenizer) is
+    accepted by check_draft for the demo checkpoint; greedy ids equal the plain engine's; and it guesses
+    often enough to matter (ACCEPTANCE_FLOOR measured with margin; see demo/draft/README.md)."""
+    from common.weights import REPO_ROOT
+
+    folder = REPO_ROOT / "demo" / "draft"
+    config = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 4}
+    assert EngineArgs(model=str(demo_snapshot), speculative_config=config).draft_folder == folder
+    llm = LLM(model=str(demo_snapshot), block_size=BLOCK, speculative_config=config)
+    assert greedy_ids(llm) == greedy_ids(plain)
+    s = llm.stats
+    assert s.spec_decode_num_drafts > 0 and s.spec_decode_acceptance_rate > DEMO_DRAFT_ACCEPTANCE_FLOOR
     assert_no_block_held(llm)
 
 
