@@ -4,8 +4,9 @@
 is prompt lookup (apoorvumang/prompt-lookup-decoding; vLLM's ``ngram_proposer.py``): find the most recent
 earlier occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
 ``prompt_lookup_min``, and propose the k tokens that followed it, always k (periodic past the end; no match:
-the last token again), so that a step is a uniform verification (model_runner.py). Every sequence of a step
-at once: n comparisons of one [B, L] array per n. The target checks every guess (rejection_sampler.py): a wrong one costs compute, not output.
+the last token again), so that a step is a uniform verification (model_runner.py). All of a step's
+sequences at once: n comparisons of one [B, L] array per n. The target checks every guess
+(rejection_sampler.py): a wrong one costs compute, not output.
 """
 
 from __future__ import annotations
