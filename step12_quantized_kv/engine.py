@@ -22,7 +22,7 @@ from .config import EngineArgs
 from .draft_model import DraftModelProposer
 from .kv_cache import PagedKVCache
 from .messages import EngineCoreOutput
-from .model import GPT, kernels
+from .model import GPT, kernels, kv_write
 from .model_runner import AsyncModelRunnerOutput, ModelRunner
 from .parallel_sampling import ParentRequest
 from .processor import Processor
@@ -108,6 +108,14 @@ class LLMEngine:
                 self.device,
                 self.kv_cache.cache_dtype,
             )
+            if self.kv_cache.quantized:  # the quantizing KV write too
+                kv_write.warm_up(
+                    self.config.n_head,
+                    self.config.head_dim,
+                    self.dtype,
+                    self.kv_cache.cache_dtype,
+                    self.device,
+                )
         # the decode step (and the uniform verification) in CUDA graphs, after the warm-up: no compiling in
         # a capture
         if self.device.type == "cuda" and not args.enforce_eager:

@@ -32,14 +32,15 @@ SCALE_DTYPE = torch.float16
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, H, D] -> (values [N, H, D] in ``dtype``, int8 or float8_e4m3fn; scales [N, H] float16), with
-    x ~= values * scale: scale = amax over D / qmax (127 or 448), symmetric, values rounded to nearest
-    (int8) or cast (e4m3) after clamping to +-qmax. A row of zeros gets scale 0 and zeros, not NaN."""
+    x ~= values * scale: scale = amax over D / qmax (127 or 448), symmetric, values rounded to nearest,
+    half up (int8; as the write kernel, kv_write.py) or cast (e4m3) after clamping to +-qmax. A row of
+    zeros gets scale 0 and zeros, not NaN."""
     qmax = 127.0 if dtype == torch.int8 else 448.0
     amax = x.abs().amax(-1).float()  # [N, H]
     scale = (amax / qmax).clamp(max=torch.finfo(SCALE_DTYPE).max).to(SCALE_DTYPE)  # [N, H]
     s = scale.float()[..., None]  # [N, H, 1] the rounded scale: what the reader multiplies by
     y = torch.where(s > 0, x.float() / s, 0.0).clamp(-qmax, qmax)  # [N, H, D] fp32, a scale of 0 -> 0
-    return (y.round() if dtype == torch.int8 else y).to(dtype), scale
+    return (torch.floor(y + 0.5) if dtype == torch.int8 else y).to(dtype), scale  # int8: half up
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

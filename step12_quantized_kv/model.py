@@ -23,9 +23,9 @@ from common.weights import GPT2Config, load_config, load_safetensors, resolve_mo
 from .kv_cache import PagedKVCache
 
 try:
-    from . import kernels
+    from . import kernels, kv_write
 except ImportError:  # Triton is not installed: only the "torch" attention backend
-    kernels = None
+    kernels = kv_write = None
 
 # GPT-2 was written with a "Conv1D" layer that stores its weight as [in, out]; nn.Linear stores [out, in].
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -54,7 +54,16 @@ class CausalSelfAttention(nn.Module):
         q = q.view(N, self.n_head, self.head_dim)  # [N, H, D]
         k = k.view(N, self.n_head, self.head_dim)  # [N, H, D]
         v = v.view(N, self.n_head, self.head_dim)  # [N, H, D]
-        kv_cache.write(layer, k, v, meta.slot_mapping)  # into the pool, at each new token's slot
+        if meta.attention_backend == "triton" and kv_cache.quantized and x.is_cuda:  # 8 bits, one kernel
+            layer_pool = (
+                kv_cache.k[layer],
+                kv_cache.v[layer],
+                kv_cache.k_scale[layer],
+                kv_cache.v_scale[layer],
+            )
+            kv_write.write_kv_quantized(*layer_pool, k, v, meta.slot_mapping)
+        else:
+            kv_cache.write(layer, k, v, meta.slot_mapping)  # into the pool, at each new token's slot
         if meta.attention_backend == "triton":  # one kernel launch for the whole batch, keys read in place
             y = kernels.paged_attention(
                 q,

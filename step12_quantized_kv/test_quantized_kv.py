@@ -249,6 +249,45 @@ def test_the_kernel_refuses_inconsistent_scales():
         kernels.paged_attention(q, k, v, tables, seq_lens, qsl, 1, k_scale=ks, v_scale=vs[:, :2])
 
 
+def projected_kv(config, N: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [N, H, D] as the model makes them: views into one [N, 3C] projection (rows of stride 3C), with
+    a token of zeros, a huge outlier, a negative maximum and values on rounding ties (x.5 steps)."""
+    torch.manual_seed(3)
+    qkv = (torch.randn(N, 3 * config.n_embd) * torch.logspace(-4, 2, N)[:, None]).to(dtype)
+    k, v = (
+        t.view(N, config.n_head, config.head_dim) for t in qkv[:, config.n_embd :].split(config.n_embd, 1)
+    )
+    k[2], v[2] = 0.0, 0.0
+    k[3, 0, 5] = 1e3
+    v[4, 1] = -torch.arange(config.head_dim, dtype=dtype)
+    k[5, 1] = torch.arange(config.head_dim, dtype=dtype) * (127 / 63) / 2  # many values at x.5 steps
+    return k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_write_kernel_stores_what_the_torch_write_stores(tiny_snapshot, dtype):
+    """kv_write.py's kernel (int8, interpreter) against PagedKVCache.write: values and scales bit for bit."""
+    from common.weights import load_config
+
+    from .kv_write import CPU_FP8_WRITE, write_kv_quantized
+
+    config = load_config(tiny_snapshot)
+    k, v = projected_kv(config, 9, dtype)
+    slots = torch.randperm(24)[:9]
+    ours, theirs = (PagedKVCache(config, 6, 4, "cpu", dtype, "int8") for _ in range(2))
+    theirs.write(0, k, v, slots)
+    write_kv_quantized(ours.k[0], ours.v[0], ours.k_scale[0], ours.v_scale[0], k, v, slots)
+    for a, b in zip(
+        (ours.k[0], ours.v[0], ours.k_scale[0], ours.v_scale[0]),
+        (theirs.k[0], theirs.v[0], theirs.k_scale[0], theirs.v_scale[0]),
+    ):
+        assert torch.equal(a, b)
+    fp8 = PagedKVCache(config, 6, 4, "cpu", dtype, "fp8")
+    with pytest.raises(ValueError, match="interpreter"):
+        write_kv_quantized(fp8.k[0], fp8.v[0], fp8.k_scale[0], fp8.v_scale[0], k, v, slots)
+    assert "PagedKVCache.write" in CPU_FP8_WRITE
+
+
 # ---- the engine --------------------------------------------------------------------------------------------
 
 
