@@ -79,6 +79,11 @@ BENCHMARKS = {
         "11",
         "what speculation buys (n-gram, the demo draft): tok/s, ms/token, acceptance at B = 1-256",
     ),
+    "quantized_kv": (
+        "benchmarks.quantized_kv",
+        "12",
+        "what an 8-bit KV cache costs and buys: held-out perplexity, top-1; kernel, tok/s, a fixed pool",
+    ),
 }
 
 

@@ -18,6 +18,7 @@ from benchmarks import (
     cuda_graphs,
     gpu,
     kvcache,
+    quantized_kv,
     server_overhead,
     static_batch,
 )
@@ -550,6 +551,21 @@ def test_cuda_graphs_benchmark_breaks_a_step_down(tiny_model, tmp_path):
         assert sum(host[k] for k in cuda_graphs.PHASES) == pytest.approx(host["step"])
         assert point["decode_tok_s"] == pytest.approx(point["batch_size"] / host["step"])
     assert "per decode step" in cuda_graphs.report(written)
+
+
+def test_quantized_kv_benchmark_measures_accuracy_and_the_speed_points(demo_snapshot, tmp_path):
+    """On a CPU, --quick sizes: the held-out accuracy figures (auto agrees with itself exactly), the
+    kernel, end-to-end and pool points for auto, int8 and fp8, the JSON as written, the report."""
+    result = quantized_kv.run(["demo"], "cpu", 1, quantized_kv.SIZES["quick"], quick=True, out_dir=tmp_path)
+    written = json.loads((tmp_path / "quick" / "quantized_kv-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    modes = written["models"]["demo"]["modes"]
+    assert modes["auto"]["top1_agreement"] == 1 and modes["auto"]["perplexity_change"] == 0
+    assert all(modes[m]["finite"] and 0.9 < modes[m]["top1_agreement"] for m in quantized_kv.MODES)
+    pool = written["speed"]["pool"]
+    assert pool["int8"]["num_kv_blocks"] > 3 * pool["auto"]["num_kv_blocks"]  # fp32 model: 256 vs 66 bytes
+    assert set(written["speed"]["kernel"]["1x64"]["median"]) == set(quantized_kv.MODES)
+    assert "top-1 = auto" in quantized_kv.report(written)
 
 
 def test_async_scheduling_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):

@@ -30,6 +30,7 @@ STEPS = [
     "step9_prefix_cache",
     "step10_engine_core",
     "step11_speculative",
+    "step12_quantized_kv",
 ]
 PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised"]
 
@@ -84,6 +85,7 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
         "step9_prefix_cache",
         "step10_engine_core",
         "step11_speculative",
+        "step12_quantized_kv",
     ],
 )
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -126,6 +128,72 @@ def test_step11_speculation_on_gpu_equals_no_speculation(demo_snapshot):
     ours = llm.generate(prompts, params)  # the demo drafting for itself, through the Triton kernel
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     assert llm.stats.spec_decode_acceptance_rate > 0.9
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_step12_8_bit_kv_on_gpu(demo_snapshot, mode):
+    """An 8-bit pool on CUDA (the Triton kernel dequantizing, decode replayed from CUDA graphs, async
+    scheduling): fp32 greedy ids equal the torch backend's on the same pool for 24 tokens and auto's for 16
+    (the CPU margin); fp16 stays finite; the kernel equals its reference at GPT-2's shapes (fp16, 1e-2)."""
+    step12 = importlib.import_module("step12_quantized_kv")
+    kernels = importlib.import_module("step12_quantized_kv.kernels")
+    quantize = importlib.import_module("step12_quantized_kv.kv_cache").quantize
+    args = dict(model=str(demo_snapshot), device="cuda", block_size=16)
+    params = step12.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ids = {
+        name: [o.outputs[0].token_ids for o in step12.LLM(**args, **kw).generate(PROMPTS, params)]
+        for name, kw in {
+            "triton": dict(kv_cache_dtype=mode),
+            "torch": dict(kv_cache_dtype=mode, attention_backend="torch"),
+            "auto": {},
+        }.items()
+    }
+    assert ids["triton"] == ids["torch"]
+    assert [i[:16] for i in ids["triton"]] == [i[:16] for i in ids["auto"]]
+    logprobs = step12.SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
+    outs = step12.LLM(**args, dtype="float16", kv_cache_dtype=mode).generate(PROMPTS, logprobs)
+    assert all(
+        torch.isfinite(torch.tensor(lp.logprob))
+        for o in outs
+        for d in o.outputs[0].logprobs
+        for lp in d.values()
+    )
+    torch.manual_seed(0)
+    blocks, H, D, S, L = 64 * 64, 12, 64, 64, 1000  # 64 sequences of 1,000 tokens in blocks of 16
+    kq, ks = quantize(torch.randn(blocks * 16, H, D, device="cuda"), kernels.QUANTIZED_DTYPES[mode == "fp8"])
+    vq, vs = quantize(torch.randn(blocks * 16, H, D, device="cuda"), kq.dtype)
+    k, v = kq.view(blocks, 16, H, D), vq.view(blocks, 16, H, D)
+    k_scale, v_scale = ks.view(blocks, 16, H), vs.view(blocks, 16, H)
+    tables = torch.randperm(blocks, device="cuda")[: S * 64].view(S, 64)
+    q = torch.randn(S, H, D, device="cuda", dtype=torch.float16)
+    seq_lens, qsl = torch.full((S,), L, device="cuda"), torch.arange(S + 1, device="cuda")
+    call = (q, k, v, tables, seq_lens, qsl, 1)
+    out = kernels.paged_attention(*call, k_scale=k_scale, v_scale=v_scale)
+    ref = kernels.paged_attention_reference(*call, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+    # the quantizing write kernel stores what PagedKVCache.write stores, bit for bit (fp8: the GPU's RNE)
+    from common.weights import load_config
+
+    write_kv_quantized = importlib.import_module("step12_quantized_kv.kv_write").write_kv_quantized
+    config = load_config(demo_snapshot)
+    qkv = torch.randn(300, 3 * config.n_embd, device="cuda", dtype=torch.float16) * 4
+    qkv[7] = 0
+    kk, vv = (
+        t.view(300, config.n_head, config.head_dim) for t in qkv[:, config.n_embd :].split(config.n_embd, 1)
+    )
+    slots = torch.randperm(512, device="cuda")[:300]
+    pools = [step12.PagedKVCache(config, 32, 16, "cuda", torch.float16, mode) for _ in range(2)]
+    pools[0].write(0, kk, vv, slots)
+    p = pools[1]
+    write_kv_quantized(p.k[0], p.v[0], p.k_scale[0], p.v_scale[0], kk, vv, slots)
+    for a, b in zip(
+        (p.k[0], p.v[0], p.k_scale[0], p.v_scale[0]),
+        (pools[0].k[0], pools[0].v[0], pools[0].k_scale[0], pools[0].v_scale[0]),
+    ):
+        assert torch.equal(
+            a.view(torch.uint8) if a.element_size() == 1 else a,
+            b.view(torch.uint8) if b.element_size() == 1 else b,
+        )
 
 
 SYNC_BUDGET = (

@@ -159,6 +159,37 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_completion.py",
         "serving_engine.py",
     ],
+    # step 12 stores the pool in 8 bits: the pool (kv_cache.py), the attention that reads it (model.py,
+    # kernels.py), the argument (config.py), the engine's start-up and its features line change; the
+    # scheduler, block manager, runner, graphs, speculation and the server stay
+    "step12_quantized_kv": [
+        "__main__.py",
+        "api_server.py",
+        "async_engine.py",
+        "block_manager.py",
+        "core_client.py",
+        "cuda_graph.py",
+        "draft_model.py",
+        "input_batch.py",
+        "llm.py",
+        "messages.py",
+        "metrics.py",
+        "model_runner.py",
+        "output_processor.py",
+        "parallel_sampling.py",
+        "processor.py",
+        "protocol.py",
+        "rejection_sampler.py",
+        "sampler.py",
+        "sampling_params.py",
+        "scheduler.py",
+        "sequence.py",
+        "serving_chat.py",
+        "serving_completion.py",
+        "serving_engine.py",
+        "spec_decode.py",
+        "static/index.html",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
@@ -168,6 +199,7 @@ MECHANISM_TESTS = {
     "step9_prefix_cache": "test_prefix_cache.py",
     "step10_engine_core": "test_engine_core.py",
     "step11_speculative": "test_speculative.py",
+    "step12_quantized_kv": "test_quantized_kv.py",
 }
 # One file per serving concept, named alike in every generating step (the root README's Layout), so that a
 # diff lands in the file named for its mechanism.
@@ -198,6 +230,7 @@ def test_layout():
         "step9_prefix_cache",
         "step10_engine_core",
         "step11_speculative",
+        "step12_quantized_kv",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):

@@ -1,0 +1,233 @@
+"""The block manager: which KV-cache blocks are free, and which blocks each sequence owns.
+
+The bookkeeping half of PagedAttention (Kwon et al. 2023, SOSP; the name is vLLM's): a free list and a
+block table per sequence; ``block_size`` is decided here, once. A sequence gets blocks on demand, one
+whenever its next token starts a new block, and gives them all back when it finishes, is aborted or
+is preempted. Nothing here touches tensors; the pool itself is ``PagedKVCache``.
+Shared blocks (vLLM's prefix caching): a written full block is registered under a hash chained over its
+prefix and stays cached when freed, until evicted; a new sequence takes its prompt's cached leading blocks.
+The n choices of a prompt share its blocks by fork; the first to write into the shared last block copies it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The chained hash of a full block: Python's hash of its parent's (None for a first block) and its
+    token ids. Not collision-resistant, nor need it be: it only finds a candidate, which a hit confirms
+    on the block's tokens and parent (``_extend``), so a collision costs a hit, never a wrong one."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class Block:
+    """One block of the pool. ref_count: the sequences holding it (0: in the free queue). Set while the
+    block is registered in the cache: block_hash, token_ids, registration (a number no other registration
+    has), parent (the registration of the block before it in its chain; 0 for a prompt's first block)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    registration: int = 0
+    parent: int = 0
+
+
+class BlockManager:
+    """Allocates blocks of ``block_size`` token slots out of a pool of ``num_blocks``, sharing full blocks
+    of equal prefixes when ``enable_prefix_caching``.
+
+    free_blocks: the ids of blocks nobody holds, least recently freed first (the eviction order); a cached
+    one keeps its hash until it is handed out. cached_blocks: block hash -> the block registered under it.
+    block_tables[seq_id]: a sequence's blocks, in position order. chains[seq_id]: the registrations of its
+    leading full blocks, as far as registered or found. num_queried_tokens, num_hit_tokens: prompt tokens
+    of the sequences admitted (at their first admission) and of them those found cached (vLLM's queries and
+    hits). ``allocate`` raises RuntimeError when the free blocks do not suffice (see ``can_allocate``).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.chains: dict[str, list[int]] = {}
+        self.num_registrations = 0
+        self.copy_on_write: set[str] = set()  # sequences whose partly filled last block others share
+        self.blocks_to_copy: dict[str, tuple[int, int]] = {}  # append's copies-on-write, until taken
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return blocks_for(num_tokens, self.block_size)
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """The leading full blocks of the sequence's tokens found in the cache (block ids, in order). The
+        block holding the last token never is: that token is computed again, so that a prompt found whole
+        still gets its logits (vLLM's rule; nano-vllm issue #144)."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._extend(seq, [], (len(seq) - 1) // self.block_size)
+
+    def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether the sequence fits, given its cached leading blocks ``cached``: its other blocks come out
+        of the free queue, and so do the cached blocks that no sequence holds now."""
+        new = self.blocks_for(len(seq)) - len(cached)
+        idle = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return new + idle <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached: list[int]) -> list[Sequence]:
+        """Give a new sequence its blocks: the cached ones ``cached`` (one reference more each), then fresh
+        blocks for the rest of its tokens, which are all its prefill computes (``num_computed_tokens``);
+        fork the other choices waiting inside it (``seq.forks``) off its blocks. Returns seq, then those.
+        Counts the query and hits (cache on) at its first admission only: a preempted sequence that finds
+        its own blocks again is no hit (vLLM #25780)."""
+        if seq.request_id in self.block_tables:
+            raise RuntimeError(f"sequence {seq.request_id} already has blocks")
+        for block_id in cached:
+            self._share(block_id)
+        self.block_tables[seq.request_id] = cached + self._take(self.blocks_for(len(seq)) - len(cached))
+        self.chains[seq.request_id] = [self.blocks[b].registration for b in cached]
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching and seq.metrics.first_scheduled_time is None:
+            self.num_queried_tokens += len(seq)
+            self.num_hit_tokens += len(cached) * self.block_size
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            self.fork(seq, fork)
+        return [seq, *forks]
+
+    def fork(self, seq: Sequence, child: Sequence) -> None:
+        """Give ``child`` (another choice of seq's request, parallel_sampling.py) every block of ``seq`` by
+        reference: its prefill computes nothing, its logits are seq's last token's. The partly filled last
+        block is copied when one of them writes to it."""
+        for block_id in self.block_tables[seq.request_id]:
+            self._share(block_id)
+        self.block_tables[child.request_id] = list(self.block_tables[seq.request_id])
+        self.chains[child.request_id] = list(self.chains[seq.request_id])
+        child.block_hashes = list(seq.block_hashes)
+        child.num_computed_tokens = len(child)
+        if len(seq) % self.block_size:  # both write into the shared last block next: copy-on-write
+            self.copy_on_write.update((seq.request_id, child.request_id))
+
+    def append(self, seq_id: str, num_tokens: int) -> bool:
+        """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode; more: a
+        verification of drafts), taking blocks while its last one is full. A forked choice's first write,
+        into the partly filled last block it shares, takes a block of its own instead: (source, destination)
+        goes into ``blocks_to_copy``, to be copied before the step writes (copy-on-write). Returns False,
+        taking nothing, if too few are free."""
+        table = self.block_tables[seq_id]
+        copy = seq_id in self.copy_on_write and self.blocks[table[-1]].ref_count > 1
+        new = max(0, self.blocks_for(num_tokens) - len(table))
+        if copy + new > len(self.free_blocks):
+            return False
+        if copy:  # its write lands in the shared block (the last holder writes in place)
+            shared = self.blocks[table[-1]]
+            own = self._pop_free()
+            shared.ref_count -= 1  # still held by the others
+            table[-1] = own
+            self.blocks_to_copy[seq_id] = (shared.block_id, own)
+        self.copy_on_write.discard(seq_id)
+        table.extend(self._pop_free() for _ in range(new))
+        return True
+
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Give back the sequence's blocks past its first ``num_tokens`` tokens: those that held only
+        rejected drafts (never registered: a verification's blocks are its own), to the front of the free
+        queue, since they hold nothing worth keeping."""
+        table = self.block_tables[seq_id]
+        while len(table) > self.blocks_for(num_tokens):
+            block_id = table.pop()
+            self.blocks[block_id].ref_count = 0
+            self.free_blocks[block_id] = None
+            self.free_blocks.move_to_end(block_id, last=False)
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among the sequence's first ``num_tokens`` tokens, which the caller knows
+        a launched step has written (a later step reads them after it, on the same stream), extending its
+        chain. A block found registered (another sequence computed it too) stays so, and the chain goes on
+        from it; another chain's block under the same hash (a collision) is replaced."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[seq.request_id]
+        self._extend(seq, self.chains[seq.request_id], num_tokens // self.block_size, table)
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's reference to each of its blocks (finished, aborted or preempted); a block
+        nobody holds goes to the end of the free queue, keeping its hash. Its last blocks are freed first,
+        so they are evicted before its first ones, which more prompts share."""
+        for block_id in reversed(self.block_tables.pop(seq_id)):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        self.chains.pop(seq_id)
+        self.copy_on_write.discard(seq_id)
+
+    def _extend(self, seq: Sequence, chain: list[int], n: int, table: list[int] | None = None) -> list[int]:
+        """Extend ``chain`` (registrations) over the sequence's first ``n`` full blocks, each found
+        in the cache or, given the sequence's block ``table``, its own block registered (without, the walk
+        stops at the first not found); returns the ids of those blocks. Each block is hashed once (kept in
+        ``seq.block_hashes``), and a block found under its hash counts only if it holds these tokens after
+        the chain's last registration: by induction the whole prefix is confirmed, not only the hash."""
+        cached, hashes, size, found = self.cached_blocks, seq.block_hashes, self.block_size, []
+        for j in range(len(chain), n):
+            tokens = tuple(seq.token_ids[j * size : (j + 1) * size])
+            if j == len(hashes):
+                hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            parent = chain[-1] if chain else 0  # 0: a first block
+            block = None if (block_id := cached.get(hashes[j])) is None else self.blocks[block_id]
+            if block is None or block.parent != parent or block.token_ids != tokens:
+                if table is None:
+                    break
+                if block is not None:  # another chain's block under this hash (a collision): replaced
+                    block.block_hash = None
+                block = self.blocks[table[j]]
+                self.num_registrations += 1
+                block.block_hash, block.token_ids = hashes[j], tokens
+                block.registration, block.parent = self.num_registrations, parent
+                cached[hashes[j]] = block.block_id
+            chain.append(block.registration)
+            found.append(block.block_id)
+        return found
+
+    def _share(self, block_id: int) -> None:
+        """One reference more to a block; a cached block that nobody held leaves the free queue."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _take(self, n: int) -> list[int]:
+        """n blocks off the free queue; nothing is taken if fewer are free (RuntimeError)."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"out of KV-cache blocks: {n} needed, {self.num_free_blocks} free")
+        return [self._pop_free() for _ in range(n)]
+
+    def _pop_free(self) -> int:
+        """The block at the front of the free queue, held once; a cached one is evicted: its hash is
+        dropped before anything rewrites it."""
+        block_id = self.free_blocks.popitem(last=False)[0]
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,216 @@
+"""The scheduler: which requests run in the next forward pass.
+
+Continuous batching (Yu et al. 2022, "Orca", OSDI): at every step each running request decodes one token,
+finished requests leave at once, and waiting requests join while there is room: ``max_num_seqs`` running
+requests, ``max_num_batched_tokens`` tokens in one forward pass, and free KV-cache blocks (vLLM's names).
+When a running request needs a block and none is free, the most recently admitted one is *preempted*: its
+blocks go back and it returns to the front of the waiting queue with the tokens it generated, prefilled
+again when it is readmitted (preemption by recompute, as in vLLM), so it carries on where it stopped.
+Prefix caching: a request is admitted with the leading full blocks of its tokens found cached and prefills
+the rest; a request of n choices is admitted with room for all n and prefilled once (block_manager.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence
+from .spec_decode import SpecDecodingStats
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. prefills: sequences whose uncached tokens go through the model (new, or readmitted
+    after preemption); verifies: running sequences that feed their newest token and their drafts
+    (``spec_token_ids``); decodes: running sequences that feed their newest token; preempted: sequences
+    sent back to the waiting queue in this step. blocks_to_copy: sequence id -> (source, destination)
+    block, the copies-on-write to make before this step writes."""
+
+    prefills: list[Sequence] = field(default_factory=list)
+    verifies: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Every scheduled sequence, prefills, verifications, decodes: the lane order of the step's batch."""
+        return self.prefills + self.verifies + self.decodes
+
+    @property
+    def num_batched_tokens(self) -> int:
+        chunks = self.prefills + self.verifies  # the tokens from num_computed_tokens on, drafts included
+        return sum(len(seq) + len(seq.spec_token_ids) - seq.num_computed_tokens for seq in chunks) + len(
+            self.decodes
+        )
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
+    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass,
+    prompt tokens admitted since the start (queries), of them those found cached (hits), blocks cached;
+    speculative decoding since the start: verifications (drafts), tokens proposed, of them accepted, accepted
+    by position (index i: lanes whose draft i + 1 was accepted), steps whose verification ran eagerly."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_batched_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_cached_blocks: int
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_eager_verify_steps: int = 0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens since the start (0 before any)."""
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verification emits on average: 1 (the target's) + the drafts accepted (0 before any)."""
+        n = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits / queries since the start (0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Scheduler:
+    """First-come-first-served continuous batching with preemption by recompute.
+
+    waiting: requests not holding any block, oldest first (preempted ones go back to the front).
+    running: requests holding blocks, in admission order (the last one is preempted first).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_batched_tokens = 0  # in the last step
+        self.prefilled: list[Sequence] = []  # the last step's prefills
+        self.spec = SpecDecodingStats()  # the verifications' counters (the engine records them)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and reserve the cache blocks they will write."""
+        out = SchedulerOutput()
+        blocks = self.block_manager
+        for seq in self.prefilled:  # the last step (launched) writes their full blocks: they join the cache
+            if not seq.finished:
+                blocks.cache_blocks(seq, len(seq) - 1)
+        # 1. Every running sequence decodes one token (or is verified with its drafts), oldest first; its
+        # tokens may need new blocks.
+        i, spare = 0, self.max_num_batched_tokens - len(self.running)  # tokens the drafts may take
+        while i < len(self.running):
+            seq = self.running[i]
+            if len(seq.spec_token_ids) > spare:
+                seq.spec_token_ids = []  # no room in the pass for its drafts
+            if len(seq) >= seq.max_len:  # its last token is in flight (async scheduling): no position left
+                i += 1
+            elif seq.spec_token_ids and blocks.append(seq.request_id, len(seq) + len(seq.spec_token_ids)):
+                seq.num_computed_tokens = len(seq) - 1  # its last token and its drafts go through the model
+                out.verifies.append(seq)
+                spare -= len(seq.spec_token_ids)
+                i += 1
+            elif blocks.append(seq.request_id, len(seq)):
+                seq.spec_token_ids = []  # no room for its drafts: a plain decode
+                out.decodes.append(seq)
+                i += 1
+            else:  # no block free: the newest running sequence steps back (seq itself, if it is the newest)
+                out.preempted.append(self._preempt(self.running.pop()))
+        out.blocks_to_copy, blocks.blocks_to_copy = blocks.blocks_to_copy, {}
+        # 2. Admit waiting requests in arrival order while all three limits allow; no overtaking. Not when
+        # memory is short (someone was preempted): admitting anyone now would only preempt again.
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
+        # A request's cached leading blocks cost no tokens; its n choices need n places in the batch.
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = blocks.find_cached_blocks(seq)
+            new_tokens = len(seq) - len(cached) * blocks.block_size
+            if (
+                new_tokens > budget
+                or len(self.running) + 1 + len(seq.forks) > self.max_num_seqs
+                or not blocks.can_allocate(seq, cached)
+            ):
+                break
+            self.waiting.popleft()
+            for choice in blocks.allocate(seq, cached):  # seq, then its other choices (forked off its blocks)
+                self.running.append(choice)
+                out.prefills.append(choice)
+                if choice.metrics.first_scheduled_time is None:
+                    choice.metrics.first_scheduled_time = time.perf_counter()
+            budget -= new_tokens
+        self.num_batched_tokens = out.num_batched_tokens
+        self.prefilled = out.prefills
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done: it leaves the batch, the full blocks it computed join the cache, and its
+        blocks are free at once. With async scheduling it may have been preempted while its last token was
+        in flight: then it leaves the waiting queue, holding no blocks."""
+        if seq.request_id not in self.block_manager.block_tables:  # preempted: waiting, no blocks
+            self.waiting.remove(seq)
+            return
+        self.running.remove(seq)
+        self.block_manager.cache_blocks(seq, len(seq) - 1)  # every token but its last is written
+        self.block_manager.free(seq.request_id)
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove a request, waiting or running, freeing its blocks at once (registering none: an abort
+        may interrupt a step whose keys and values were never written)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq.request_id)
+        elif seq.request_id in self.block_manager.block_tables:  # an interrupt (Ctrl-C) inside schedule()
+            self.block_manager.free(seq.request_id)
+
+    def make_stats(self) -> SchedulerStats:
+        blocks = self.block_manager
+        used = blocks.num_blocks - blocks.num_free_blocks
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=used / blocks.num_blocks,
+            num_used_blocks=used,
+            num_blocks=blocks.num_blocks,
+            num_preemptions=self.num_preemptions,
+            num_batched_tokens=self.num_batched_tokens,
+            prefix_cache_queries=blocks.num_queried_tokens,
+            prefix_cache_hits=blocks.num_hit_tokens,
+            num_cached_blocks=len(blocks.cached_blocks),
+            spec_decode_num_drafts=self.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec.num_accepted_tokens_per_pos),
+            num_eager_verify_steps=self.spec.num_eager_verify_steps,
+        )
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        seq.spec_token_ids = []
+        self.block_manager.cache_blocks(seq, len(seq) - 1)  # its full blocks stay cached for its return
+        self.block_manager.free(seq.request_id)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        return seq

@@ -1,0 +1,184 @@
+"""Speculative decoding's configuration and its proposer: cheap guesses of a sequence's next k tokens.
+
+``SpeculativeConfig`` is ``EngineArgs.speculative_config`` checked (vLLM's field names). ``NgramProposer``
+is prompt lookup (apoorvumang/prompt-lookup-decoding; vLLM's ``ngram_proposer.py``): find the most recent
+earlier occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
+``prompt_lookup_min``, and propose the k tokens that followed it, always k (periodic past the end; no match:
+the last token again), so that a step is a uniform verification (model_runner.py). All of a step's
+sequences at once: n comparisons of one [B, L] array per n. The target checks every guess
+(rejection_sampler.py): a wrong one costs compute, not output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from common.weights import GPT2Config, load_config, resolve_model
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """What to speculate with (vLLM's names). method: "ngram" (prompt lookup) or "draft_model";
+    num_speculative_tokens: k, the guesses verified per step; prompt_lookup_min / prompt_lookup_max: the
+    n-gram lengths tried, longest first; model: the draft model ("draft_model"); disable_by_batch_size: no
+    speculation in a step with at least this many running requests (None: always)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def make(cls, value: dict | str | None) -> SpeculativeConfig | None:
+        """The checked config of ``value`` (a dict, its JSON text, or None: off). Raises ValueError
+        naming the field: "speculative_config.<field>=<value>: must be ..."."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config={value!r}: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config={value!r}: must be a dict, its JSON text, or None")
+        known = {f.name for f in fields(cls)}
+        for name in value:
+            if name not in known:
+                raise ValueError(f"speculative_config.{name}: unknown field (known: {sorted(known)})")
+        config = cls(**value)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"speculative_config.{name}={getattr(self, name)!r}: must be {allowed}")
+
+        count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+        if self.method not in METHODS:
+            raise bad("method", f"one of {list(METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            if not count(getattr(self, name)):
+                raise bad(name, "an integer >= 1")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise bad("prompt_lookup_max", f">= prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.disable_by_batch_size is not None and not count(self.disable_by_batch_size):
+            raise bad("disable_by_batch_size", "an integer >= 1, or None")
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise bad(
+                "model", "the draft model (a Hub id or a local snapshot folder) for method 'draft_model'"
+            )
+        if self.method == "ngram" and self.model is not None:
+            raise bad("model", "None for method 'ngram' (it has no draft model)")
+
+
+def check_draft(model: str, target_folder, target: GPT2Config):
+    """The snapshot folder of a draft model for the target in ``target_folder`` (config ``target``).
+    Raises ValueError if its vocabulary or tokenizer (vocab.json, merges.txt) differs from the target's,
+    since the target judges the draft's token ids as its own, or if its window is shorter;
+    ConnectionError if a Hub draft cannot be fetched."""
+    folder = resolve_model(model)
+    draft = load_config(folder)
+    vocab_size, target_vocab_size = draft.vocab_size, target.vocab_size
+    if vocab_size != target_vocab_size:
+        raise ValueError(
+            f"speculative_config.model={model!r}: its vocabulary has {vocab_size} tokens, the target's "
+            f"{target_vocab_size}: a draft must share the target's tokenizer"
+        )
+    for name in ("vocab.json", "merges.txt"):
+        if (folder / name).read_bytes() != (target_folder / name).read_bytes():
+            raise ValueError(
+                f"speculative_config.model={model!r}: its {name} differs from the target's: a draft must "
+                "share the target's tokenizer"
+            )
+    if draft.n_positions < target.n_positions:
+        raise ValueError(
+            f"speculative_config.model={model!r}: its window ({draft.n_positions} tokens) is shorter than "
+            f"the target's ({target.n_positions})"
+        )
+    return folder
+
+
+@dataclass
+class SpecDecodingStats:
+    """Verifications since the start (vLLM's ``SpecDecodingStats``): lanes verified (drafts), tokens
+    proposed, of them accepted, accepted by position (index i: verifications whose draft i + 1 was
+    accepted), and steps whose verification ran eagerly (not in a CUDA graph)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_eager_verify_steps: int = 0
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One lane's verification: k proposed, a (0..k) accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+
+class NgramProposer:
+    """Prompt lookup over each sequence's own ids (prompt and output), every sequence of a step at once.
+    ``propose(ids, k)``: one sequence's k proposed ids (k >= 1)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose_all(self, seqs: list, ks: list[int]) -> None:
+        """Set each sequence's ``spec_token_ids``: ``propose_batch`` over their ids, its k of them."""
+        for seq, drafts in zip(seqs, self.propose_batch([seq.token_ids for seq in seqs], ks)):
+            seq.spec_token_ids = drafts
+
+    def release(self, seq_id: str) -> None:
+        """Nothing to give back: prompt lookup keeps no state."""
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """``propose_batch`` of one sequence."""
+        return self.propose_batch([token_ids], [k])[0]
+
+    def propose_batch(self, token_ids: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """For each sequence (ids [L_i], L_i >= 1): its k_i ids that followed the most recent earlier
+        occurrence of its last n ids, for the largest n in [min_n, max_n] that has one; [] if k_i < 1.
+
+        Always k_i, so that every lane of a step verifies 1 + k tokens and the step replays a CUDA graph
+        (a uniform verification, model_runner.py): a match whose continuation reaches the end of the ids
+        after d < k tokens goes on periodically with period d (what repeated once is guessed to repeat
+        again: ids[L + j] = ids[L + j - d]); no match at all proposes the last id k times. These are
+        guesses like any other: the verification keeps the output exact whatever the drafts are. The
+        sequences are right-aligned in one [B, L] array (-1 before each one's first id, which matches no
+        id), so that each n costs n comparisons of [B, L] arrays, not a loop over the sequences.
+        """
+        B, k = len(token_ids), max(ks, default=0)
+        if k < 1:
+            return [[] for _ in ks]
+        lens = np.array([len(ids) for ids in token_ids])  # [B]
+        L = int(lens.max())
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(lens.sum()))
+        ids = np.full((B, L), -1, dtype=np.int64)  # [B, L], right-aligned: each sequence ends at column L
+        rows = np.repeat(np.arange(B), lens)  # each id's sequence, and its column: L - L_i + its index in it
+        ids[rows, np.arange(flat.size) - np.repeat(np.cumsum(lens) - L, lens)] = flat
+        start = np.full(B, -1)  # [B] the column after each sequence's match (-1: none yet)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            # window starts 0 .. L - n - 1 (the suffix itself excluded), each compared with the suffix
+            hit = np.ones((B, L - n), dtype=bool)  # [B, L - n]
+            for j in range(n):
+                hit &= ids[:, j : j + L - n] == ids[:, L - n + j, None]
+            found = hit.any(axis=1) & (start < 0) & (lens > n)  # [B]: rows whose longest match is this n
+            last = L - n - 1 - np.argmax(hit[:, ::-1], axis=1)  # [B] the most recent matching start
+            start = np.where(found, last + n, start)
+        d = np.where(start >= 0, L - start, 1)  # [B] ids after the match (no match: the last id, d = 1)
+        cols = np.where(start >= 0, start, L - 1)[:, None] + np.arange(k) % d[:, None]  # [B, k]
+        drafts = np.take_along_axis(ids, cols, axis=1).tolist()  # [B, k]
+        return [row[:k_i] if k_i > 0 else [] for row, k_i in zip(drafts, ks)]
