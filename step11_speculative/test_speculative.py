@@ -217,6 +217,24 @@ def test_seeded_sampling_is_reproducible(spec):
     assert_no_block_held(spec)
 
 
+@pytest.mark.parametrize("block_size", [3, 4])
+def test_choices_that_share_a_block_verify_into_their_own_copies(demo_snapshot, block_size):
+    """n = 2 forks the prompt's partly filled last block; a choice's first verification copies it and
+    takes blocks past it in one step, so the copy is not the table's last entry: it must still replace
+    the shared block in the device's row, or the drafts land in the other choice's KV. Seeded choices
+    then come out as at block size 16, where the first verification fits in the copied block."""
+    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, n=2)
+    prompt = ["The cat sat on the mat. The cat"]  # 10 tokens: the last block part-filled at 3 and 4
+
+    def choices(size: int) -> list[list[int]]:
+        llm = LLM(model=str(demo_snapshot), max_num_seqs=4, block_size=size, speculative_config=NGRAM)
+        out = llm.generate(prompt, params)[0]
+        assert_no_block_held(llm)
+        return [c.token_ids for c in out.outputs]
+
+    assert choices(block_size) == choices(16)
+
+
 # ---- the rejection sampler alone: a stand-in vocabulary of 8 tokens ----
 
 V = 8

@@ -125,8 +125,9 @@ class InputBatch:
             if len(table) > self.num_blocks[row]:  # it took a block this step: write that entry only
                 self.block_table_np[row, self.num_blocks[row] : len(table)] = table[self.num_blocks[row] :]
                 self.num_blocks[row] = len(table)
-        for seq_id, (_, own) in scheduled.blocks_to_copy.items():  # its last block is its own copy now
-            self.block_table_np[self.row_of[seq_id], len(block_tables[seq_id]) - 1] = own
+        for seq_id, (_, own) in scheduled.blocks_to_copy.items():  # the shared block's entry: its own copy
+            table = block_tables[seq_id]  # (not always the last: a verification may take blocks after it)
+            self.block_table_np[self.row_of[seq_id], table.index(own)] = own
 
     def trim(self, seq_id: str, num_blocks: int) -> None:
         """The sequence gave its blocks past its first ``num_blocks`` back (``BlockManager.trim``): the
