@@ -216,7 +216,7 @@ def kernel_points(folder, device, dtype, runs, batches, contexts) -> dict:
                 if m == "auto":
                     args, kw, nbytes[m] = (k, v), {}, 2 * B * L * H * D * k.element_size()
                 else:
-                    (kq, ks), (vq, vs) = (quantize(t.flatten(0, 1), KV_CACHE_DTYPES[m][0]) for t in (k, v))
+                    (kq, ks), (vq, vs) = (quantize(t.flatten(0, 1), KV_CACHE_DTYPES[m]) for t in (k, v))
                     args = (kq.view(k.shape), vq.view(v.shape))
                     kw = dict(k_scale=ks.view(k.shape[:3]), v_scale=vs.view(v.shape[:3]))
                     nbytes[m] = 2 * B * L * H * (D + SCALE_DTYPE.itemsize)

@@ -146,16 +146,13 @@ class InputBatch:
 
         The lanes are the scheduled sequences in order (prefills, verifications, decodes), then
         ``num_lanes`` - S padding lanes of ``query_len`` tokens each: 1 in a decode-only step, 1 + k in a
-        uniform verification step (every lane a verification of k drafts). Returns the number of new tokens
-        N (padding included) and query_start_loc as a host list [num_lanes + 1]. Raises ValueError if any
-        other batch is padded.
+        uniform verification step (every lane a verification of k drafts: the caller's ``is_uniform``).
+        Returns the number of new tokens N (padding included) and query_start_loc as a host list
+        [num_lanes + 1]. Raises ValueError if prefills are padded.
         """
         S = len(scheduled.seqs)
-        if num_lanes != S and not is_uniform(scheduled, query_len):
-            raise ValueError(
-                f"num_lanes={num_lanes}, query_len={query_len}: only decode-only and uniform verification "
-                f"batches are padded (S={S}, {len(scheduled.prefills)} prefills)"
-            )
+        if scheduled.prefills and num_lanes != S:
+            raise ValueError(f"num_lanes={num_lanes}: prefills are not padded (S={S})")
         self.buffer.wait_copied()  # the previous step's copy has read the host buffer: it may be written
         self.update_rows(scheduled, block_tables)
         return self.write_lanes(scheduled, num_lanes, query_len)

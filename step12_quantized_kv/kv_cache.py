@@ -16,13 +16,12 @@ import torch
 
 from common.weights import GPT2Config
 
-# kv_cache_dtype -> (the pool's element type, the largest magnitude it stores: a token-head's amax maps onto
-# it); "auto" is the model's dtype, unscaled. e4m3 (no infinities, "fn"): 448 is its largest finite value.
+# kv_cache_dtype -> the pool's element type; "auto" (None): the model's dtype, unscaled
 KV_CACHE_DTYPES = {
-    "auto": (None, None),
-    "int8": (torch.int8, 127.0),
-    "fp8": (torch.float8_e4m3fn, 448.0),
-    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+    "auto": None,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
 }
 # One scale per token and head: 2 bytes, next to 64 of a GPT-2 head (about 1.94x fp16's tokens per byte).
 # float16's 11 significant bits are finer than the 8-bit values they scale; its range (6e-8 .. 65504) holds
@@ -30,16 +29,22 @@ KV_CACHE_DTYPES = {
 SCALE_DTYPE = torch.float16
 
 
+def qmax(dtype: torch.dtype) -> float:
+    """The largest magnitude an 8-bit ``dtype`` stores, onto which a token-head's amax maps: 127 (int8),
+    448 (e4m3: no infinities, "fn", 448 its largest finite value)."""
+    return float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, H, D] -> (values [N, H, D] in ``dtype``, int8 or float8_e4m3fn; scales [N, H] float16), with
     x ~= values * scale: scale = amax over D / qmax (127 or 448), symmetric, values rounded to nearest,
     half up (int8; as the write kernel, kv_write.py) or cast (e4m3) after clamping to +-qmax. A row of
     zeros gets scale 0 and zeros, not NaN."""
-    qmax = 127.0 if dtype == torch.int8 else 448.0
+    q = qmax(dtype)
     amax = x.abs().amax(-1).float()  # [N, H]
-    scale = (amax / qmax).clamp(max=torch.finfo(SCALE_DTYPE).max).to(SCALE_DTYPE)  # [N, H]
+    scale = (amax / q).clamp(max=torch.finfo(SCALE_DTYPE).max).to(SCALE_DTYPE)  # [N, H]
     s = scale.float()[..., None]  # [N, H, 1] the rounded scale: what the reader multiplies by
-    y = torch.where(s > 0, x.float() / s, 0.0).clamp(-qmax, qmax)  # [N, H, D] fp32, a scale of 0 -> 0
+    y = torch.where(s > 0, x.float() / s, 0.0).clamp(-q, q)  # [N, H, D] fp32, a scale of 0 -> 0
     return (torch.floor(y + 0.5) if dtype == torch.int8 else y).to(dtype), scale  # int8: half up
 
 
@@ -76,7 +81,7 @@ class PagedKVCache:
             num_blocks,
         )
         self.block_size, self.dtype = block_size, dtype
-        self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype][0] or dtype  # what the pool stores
+        self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype  # what the pool stores
         self.quantized = kv_cache_dtype != "auto"
         shape = (num_blocks, block_size, config.n_head, config.head_dim)  # [num_blocks, block_size, H, D]
         self.k = [torch.zeros(shape, device=device, dtype=self.cache_dtype) for _ in range(config.n_layer)]
@@ -145,10 +150,9 @@ class PagedKVCache:
         """Bytes one block takes over all layers, K and V:
         2 x n_layer x block_size x n_head x (head_dim x element size + scale size), the element in ``dtype``
         for "auto" (no scale), else 1 byte with a 2-byte scale (GPT-2: 64 x 2 = 128 vs 64 + 2 = 66 bytes)."""
-        if kv_cache_dtype == "auto":
-            return 2 * config.n_layer * block_size * config.n_head * config.head_dim * dtype.itemsize
-        element = KV_CACHE_DTYPES[kv_cache_dtype][0].itemsize
-        per_head = config.head_dim * element + SCALE_DTYPE.itemsize  # bytes per token and head
+        element = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+        scale = 0 if kv_cache_dtype == "auto" else SCALE_DTYPE.itemsize
+        per_head = config.head_dim * element.itemsize + scale  # bytes per token and head
         return 2 * config.n_layer * block_size * config.n_head * per_head
 
     @property

@@ -19,6 +19,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from .kernels import QUANTIZED_DTYPES, _check_index_tensor, _check_usable  # noqa: E402
+from .kv_cache import qmax  # noqa: E402
 
 # Triton's interpreter converts fp32 to e4m3 without round-to-nearest-even and loses the carry of a
 # round-up (127.9 -> 64); a GPU's conversion instruction rounds to nearest even, as torch does.
@@ -195,7 +196,7 @@ def write_kv_quantized(
         H_PAD=triton.next_power_of_2(H),
         HEAD_DIM=D,
         D_PAD=triton.next_power_of_2(D),
-        QMAX=127.0 if k_cache.dtype == torch.int8 else 448.0,
+        QMAX=qmax(k_cache.dtype),
         ROUND=k_cache.dtype == torch.int8,
         num_warps=4,
     )

@@ -21,7 +21,7 @@ import step11_speculative
 from . import kernels
 from .config import EngineArgs, check_kv_cache_dtype
 from .engine import LLMEngine
-from .kv_cache import KV_CACHE_DTYPES, SCALE_DTYPE, PagedKVCache, dequantize, quantize
+from .kv_cache import SCALE_DTYPE, PagedKVCache, dequantize, qmax, quantize
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -107,8 +107,7 @@ def test_one_huge_outlier_keeps_itself_and_costs_the_rest_resolution(mode):
 def test_a_negative_maximum_maps_to_the_bottom_of_the_range(mode):
     x = torch.tensor([[[0.5, -3.0, 1.0, 2.9]]])
     values, scale = quantize(x, DTYPES[mode])
-    qmax = KV_CACHE_DTYPES[mode][1]
-    assert values.float()[0, 0, 1].item() == pytest.approx(-qmax, rel=2**-8)
+    assert values.float()[0, 0, 1].item() == pytest.approx(-qmax(DTYPES[mode]), rel=2**-8)
     assert dequantize(values, scale, torch.float32)[0, 0, 1].item() == pytest.approx(-3.0, rel=2**-9)
 
 
