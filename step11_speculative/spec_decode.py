@@ -4,18 +4,17 @@
 is prompt lookup (apoorvumang/prompt-lookup-decoding; vLLM's ``ngram_proposer.py``): find the most recent
 earlier occurrence of the sequence's last n tokens, n from ``prompt_lookup_max`` down to
 ``prompt_lookup_min``, and propose the k tokens that followed it, always k (periodic past the end; no match:
-the last token again), so that a step is a uniform verification (model_runner.py). All of a step's
-sequences at once: n comparisons of one [B, L] array per n. The target checks every guess
-(rejection_sampler.py): a wrong one costs compute, not output.
+the last token again), so that a step is a uniform verification (model_runner.py). Each sequence's ids are
+searched as a string, one character per id (``str.rfind``: C speed, a few microseconds a sequence). The
+target checks every guess (rejection_sampler.py): a wrong one costs compute, not output.
 """
 
 from __future__ import annotations
 
-import itertools
+import array
 import json
+import sys
 from dataclasses import dataclass, field, fields
-
-import numpy as np
 
 from common.weights import GPT2Config, load_config, resolve_model
 
@@ -130,7 +129,7 @@ class SpecDecodingStats:
 
 
 class NgramProposer:
-    """Prompt lookup over each sequence's own ids (prompt and output), every sequence of a step at once.
+    """Prompt lookup over each sequence's own ids (prompt and output), one sequence at a time.
     ``propose(ids, k)``: one sequence's k proposed ids (k >= 1)."""
 
     def __init__(self, config: SpeculativeConfig):
@@ -144,41 +143,40 @@ class NgramProposer:
     def release(self, seq_id: str) -> None:
         """Nothing to give back: prompt lookup keeps no state."""
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """``propose_batch`` of one sequence."""
-        return self.propose_batch([token_ids], [k])[0]
-
     def propose_batch(self, token_ids: list[list[int]], ks: list[int]) -> list[list[int]]:
-        """For each sequence (ids [L_i], L_i >= 1): its k_i ids that followed the most recent earlier
-        occurrence of its last n ids, for the largest n in [min_n, max_n] that has one; [] if k_i < 1.
+        """``propose`` of each sequence (ids [L_i]) with its k_i."""
+        return [self.propose(ids, k) for ids, k in zip(token_ids, ks)]
 
-        Always k_i, so that every lane of a step verifies 1 + k tokens and the step replays a CUDA graph
-        (a uniform verification, model_runner.py): a match whose continuation reaches the end of the ids
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """k ids: those that followed the most recent earlier occurrence of the last n ids, for the largest
+        n in [min_n, max_n] that has one; [] if k < 1. token_ids: [L] the sequence so far (L >= 1, each
+        id < 0x110000).
+
+        Always k, so that every lane of a step verifies 1 + k tokens and the step replays a CUDA graph (a
+        uniform verification, model_runner.py): a match whose continuation reaches the end of the ids
         after d < k tokens goes on periodically with period d (what repeated once is guessed to repeat
-        again: ids[L + j] = ids[L + j - d]); no match at all proposes the last id k times. These are
-        guesses like any other: the verification keeps the output exact whatever the drafts are. The
-        sequences are right-aligned in one [B, L] array (-1 before each one's first id, which matches no
-        id), so that each n costs n comparisons of [B, L] arrays, not a loop over the sequences.
+        again: ids[L + j] = ids[L + j - d]); no match at all proposes the last id k times. These are guesses
+        like any other: the verification keeps the output exact whatever the drafts are. The ids are one
+        string, character i = chr(ids[i]) (``as_text``), searched backwards for its last n characters by
+        ``str.rfind``: no array per step, no Python loop over the ids (a few microseconds a sequence).
         """
-        B, k = len(token_ids), max(ks, default=0)
+        L = len(token_ids)
         if k < 1:
-            return [[] for _ in ks]
-        lens = np.array([len(ids) for ids in token_ids])  # [B]
-        L = int(lens.max())
-        flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(lens.sum()))
-        ids = np.full((B, L), -1, dtype=np.int64)  # [B, L], right-aligned: each sequence ends at column L
-        rows = np.repeat(np.arange(B), lens)  # each id's sequence, and its column: L - L_i + its index in it
-        ids[rows, np.arange(flat.size) - np.repeat(np.cumsum(lens) - L, lens)] = flat
-        start = np.full(B, -1)  # [B] the column after each sequence's match (-1: none yet)
+            return []
+        text = as_text(token_ids)  # [L]
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            # window starts 0 .. L - n - 1 (the suffix itself excluded), each compared with the suffix
-            hit = np.ones((B, L - n), dtype=bool)  # [B, L - n]
-            for j in range(n):
-                hit &= ids[:, j : j + L - n] == ids[:, L - n + j, None]
-            found = hit.any(axis=1) & (start < 0) & (lens > n)  # [B]: rows whose longest match is this n
-            last = L - n - 1 - np.argmax(hit[:, ::-1], axis=1)  # [B] the most recent matching start
-            start = np.where(found, last + n, start)
-        d = np.where(start >= 0, L - start, 1)  # [B] ids after the match (no match: the last id, d = 1)
-        cols = np.where(start >= 0, start, L - 1)[:, None] + np.arange(k) % d[:, None]  # [B, k]
-        drafts = np.take_along_axis(ids, cols, axis=1).tolist()  # [B, k]
-        return [row[:k_i] if k_i > 0 else [] for row, k_i in zip(drafts, ks)]
+            at = text.rfind(text[L - n :], 0, L - 1)  # the latest window before the suffix, or -1
+            if at >= 0:
+                start = at + n  # what followed it, d = L - start ids of it
+                return [token_ids[start + j % (L - start)] for j in range(k)]  # [k], periodic past the end
+        return [token_ids[-1]] * k
+
+
+UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"  # the byte order of array's 4-byte ints
+
+
+def as_text(ids: list[int]) -> str:
+    """ids [L] (each < 0x110000) as a string of L characters, character i = chr(ids[i]): ``"".join(map(chr,
+    ids))``, built in C (4 bytes an id, decoded as UTF-32; lone surrogates are ids like any other).
+    Raises OverflowError on a negative id."""
+    return array.array("I", ids).tobytes().decode(UTF32, "surrogatepass")

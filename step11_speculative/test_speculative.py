@@ -351,15 +351,17 @@ def reference_lookup(ids: list[int], k: int, min_n: int, max_n: int) -> list[int
 
 
 def test_ngram_proposes_for_a_batch_what_it_proposes_for_each_sequence():
-    """The batched lookup (right-aligned rows, one comparison per n and offset) equals the written-out
-    one for every row, over batches of mixed lengths, alphabets, n ranges and k (k < 1 included)."""
+    """The string lookup (one character an id, ``str.rfind``) equals the written-out one for every row, over
+    batches of mixed lengths, alphabets (ids around the surrogates and up to 0x10FFFF too), n ranges and k
+    (k < 1 included)."""
     rng = random.Random(7)
     for _ in range(300):
         min_n = rng.randint(1, 3)
         max_n = rng.randint(min_n, 5)
         prop = NgramProposer(SpeculativeConfig(prompt_lookup_min=min_n, prompt_lookup_max=max_n))
+        base = rng.choice([0, 0, 0xD800 - 2, 0x110000 - 50])  # a lone surrogate is a character like any other
         batch = [
-            [rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randint(1, 40))]
+            [base + rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randint(1, 40))]
             for _ in range(rng.randint(1, 9))
         ]
         ks = [rng.randint(-1, 6) for _ in batch]

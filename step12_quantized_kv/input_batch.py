@@ -189,7 +189,7 @@ class InputBatch:
         t, q = t + D, query_len  # padding lanes: own nothing (a decode's token 0: last_token's row 0)
         pad = slice(t, t + (num_lanes - S) * q)
         f["input_ids"][pad], f["slot_mapping"][pad] = 0, self.scratch_slot
-        f["positions"][pad] = np.tile(np.arange(q), num_lanes - S)  # [(num_lanes - S) * q]: 0..q - 1 each
+        f["positions"][pad] = np.arange(pad.stop - t) % q  # [(num_lanes - S) * q]: 0..q - 1 each
         f["seq_lens"][S:num_lanes], f["rows"][S:num_lanes] = q, PADDING_ROW
         qsl += range(t + q, pad.stop + 1, q)
         f["query_start_loc"][: num_lanes + 1] = qsl

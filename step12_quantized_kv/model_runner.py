@@ -163,6 +163,10 @@ class ModelRunner:
             rows = self.input_batch.gpu["rows"][len(scheduled.prefills) : P]  # [B]
             self.input_batch.last_token.index_copy_(0, rows, verified[:, 1])
         seqs = scheduled.prefills + scheduled.decodes
+        replayed = uniform and graphs is not None
+        if not seqs:  # verifications only: nothing to sample
+            nothing = torch.zeros(0, 1, device=self.device)  # [0, 1]
+            return AsyncModelRunnerOutput(scheduled.verifies, nothing, self.tokenizer, verified, replayed)
         S = len(seqs)
         packed = sample_on_device(
             logits[:S],
@@ -176,7 +180,6 @@ class ModelRunner:
             lanes = self.input_batch.gpu["rows"]
             rows = torch.cat([lanes[: len(scheduled.prefills)], lanes[P : P + len(scheduled.decodes)]])  # [S]
         self.input_batch.last_token.index_copy_(0, rows, packed[:, 0].long())  # the next step's input ids
-        replayed = uniform and graphs is not None
         return AsyncModelRunnerOutput(seqs + scheduled.verifies, packed, self.tokenizer, verified, replayed)
 
     def decode_forward(self, num_lanes: int) -> torch.Tensor:

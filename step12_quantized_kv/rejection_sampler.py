@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import exponential_race, keep_min_p, keep_top_k, keep_top_p, scale_by_temperature
+from .sampler import _to_device, exponential_race, keep_min_p, keep_top_k, keep_top_p, scale_by_temperature
 from .sampling_params import SamplingParams, is_greedy
 
 
@@ -63,20 +63,21 @@ def rejection_sample(
     starts = [0]
     for k in ks:
         starts.append(starts[-1] + k + 1)
-    draft_rows = [starts[b] + i for b, k in enumerate(ks) for i in range(k)]  # rows that judge a draft
-    host = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
-    draft_ids = host.to(device, non_blocking=True)  # [sum k]
-    warped = warp(logits, row_params)  # [R, V]
-    tokens = warped.argmax(dim=-1)  # [R] the greedy rows' answers (sampled rows are overwritten)
-    accept = torch.zeros(R, dtype=torch.bool, device=device)  # [R]; bonus rows never "accept"
-    d_rows = torch.tensor(draft_rows, dtype=torch.long).to(device, non_blocking=True)  # [sum k]
-    accept[d_rows] = tokens[d_rows] == draft_ids
+    # each row's draft (-1 on a bonus row: no token matches it), its position in its lane, its lane, and
+    # each lane's first row: one copy to the device (through pinned memory on a GPU: the host does not wait)
+    judged = [t for d in drafts for t in (*d, -1)]  # [R]
+    pos = [r - starts[b] for r, b in enumerate(lane_of_row)]  # [R]
+    index = _to_device(judged + pos + lane_of_row + starts[:-1], torch.long, device)  # [3R + B]
+    judged, pos, lanes, first = index.split([R, R, R, len(ks)])  # [R], [R], [R], [B]
     sampled = [r for r in range(R) if not is_greedy(row_params[r])]
+    warped = warp(logits, row_params) if sampled else logits  # [R, V]; greedy rows need no float32 copy
+    tokens = warped.argmax(dim=-1)  # [R] the greedy rows' answers (sampled rows are overwritten)
+    accept = tokens == judged  # [R]; bonus rows never accept
     if sampled:
-        s_draft = [j for j, r in enumerate(draft_rows) if not is_greedy(row_params[r])]
-        if s_draft:
-            j = torch.tensor(s_draft, dtype=torch.long).to(device, non_blocking=True)
-            rows, ids = d_rows[j], draft_ids[j]  # [Rs] the sampled rows that judge a draft, and the drafts
+        s_rows = [starts[b] + i for b, k in enumerate(ks) for i in range(k) if not is_greedy(params[b])]
+        if s_rows:  # the sampled rows that judge a draft
+            rows = _to_device(s_rows, torch.long, device)  # [Rs]
+            ids = judged[rows]  # [Rs] the drafts
             p = warped[rows].softmax(dim=-1)  # [Rs, V] the target's law at each judged position
             q = torch.zeros_like(p).scatter_(1, ids[:, None], 1.0)  # [Rs, V] one-hot on each draft...
             at = 0  # ...or the draft model's law: the sampled lanes' rows, in lane order
@@ -86,9 +87,9 @@ def rejection_sample(
                         q[at : at + k] = draft_probs[b].to(q.dtype)  # [k, V]
                     at += k
             p_d, q_d = p.gather(1, ids[:, None])[:, 0], q.gather(1, ids[:, None])[:, 0]  # [Rs] each
-            u = torch.rand(len(s_draft), device=device)  # [Rs] uniforms: torch's default generator...
-            for n, i in enumerate(s_draft):  # ...or, for a seeded lane, its own
-                if (gen := row_gens[draft_rows[i]]) is not None:
+            u = torch.rand(len(s_rows), device=device)  # [Rs] uniforms: torch's default generator...
+            for n, r in enumerate(s_rows):  # ...or, for a seeded lane, its own
+                if (gen := row_gens[r]) is not None:
                     u[n : n + 1].uniform_(generator=gen)
             accept[rows] = u * q_d < p_d  # with probability min(1, p(d) / q(d))
             # the residual max(p - q, 0), normalised by the draw (log 0 = -inf); where it is all zero (p <= q
@@ -98,14 +99,11 @@ def rejection_sample(
             warped[rows] = torch.where(empty, warped[rows], residual.log())
         tokens.index_copy_(
             0,
-            torch.tensor(sampled, dtype=torch.long).to(device),
+            _to_device(sampled, torch.long, device),
             exponential_race(warped, sampled, [row_gens[r] for r in sampled]),
         )  # a residual draw on the rows that judge a draft, the bonus draw on the last row of a lane
     # a lane's accepted count: the position of its first row that does not accept (its bonus row at worst)
-    pos = torch.tensor([r - starts[b] for r, b in enumerate(lane_of_row)], device=device)  # [R]
-    stop = torch.where(accept, torch.full_like(pos, R), pos)  # [R]
-    lanes = torch.tensor(lane_of_row, dtype=torch.long, device=device)  # [R]
+    stop = torch.where(accept, R, pos)  # [R]
     num_accepted = torch.full((len(ks),), R, dtype=torch.long, device=device)
     num_accepted.scatter_reduce_(0, lanes, stop, reduce="amin")  # [B]
-    first = torch.tensor(starts[:-1], dtype=torch.long, device=device)  # [B] each lane's first row
     return torch.stack([num_accepted, tokens[first + num_accepted]], dim=1)  # [B, 2]
