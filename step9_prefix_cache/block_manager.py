@@ -166,11 +166,12 @@ class BlockManager:
         """Drop the sequence's reference to each of its blocks (finished, aborted or preempted); a block
         nobody holds goes to the end of the free queue, keeping its hash. Its last blocks are freed first,
         so they are evicted before its first ones, which more prompts share."""
+        blocks, free_blocks = self.blocks, self.free_blocks
         for block_id in reversed(self.block_tables.pop(seq_id)):
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
+            if not block.ref_count:
+                free_blocks[block_id] = None
         self.chains.pop(seq_id)
         self.copy_on_write.discard(seq_id)
 
@@ -180,25 +181,28 @@ class BlockManager:
         stops at the first not found); returns the ids of those blocks. Each block is hashed once (kept in
         ``seq.block_hashes``), and a block found under its hash counts only if it holds these tokens after
         the chain's last registration: by induction the whole prefix is confirmed, not only the hash."""
-        cached, hashes, size, found = self.cached_blocks, seq.block_hashes, self.block_size, []
+        cached, blocks, hashes, token_ids = self.cached_blocks, self.blocks, seq.block_hashes, seq.token_ids
+        size, found = self.block_size, []
+        parent = chain[-1] if chain else 0  # the registration before block j (0: a first block)
         for j in range(len(chain), n):
-            tokens = tuple(seq.token_ids[j * size : (j + 1) * size])
+            tokens = tuple(token_ids[j * size : (j + 1) * size])
             if j == len(hashes):
-                hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
-            parent = chain[-1] if chain else 0  # 0: a first block
-            block = None if (block_id := cached.get(hashes[j])) is None else self.blocks[block_id]
+                hashes.append(hash_block(hashes[-1] if j else None, tokens))
+            block_hash = hashes[j]
+            block = None if (block_id := cached.get(block_hash)) is None else blocks[block_id]
             if block is None or block.parent != parent or block.token_ids != tokens:
                 if table is None:
                     break
                 if block is not None:  # another chain's block under this hash (a collision): replaced
                     block.block_hash = None
-                block = self.blocks[table[j]]
+                block = blocks[block_id := table[j]]
                 self.num_registrations += 1
-                block.block_hash, block.token_ids = hashes[j], tokens
+                block.block_hash, block.token_ids = block_hash, tokens
                 block.registration, block.parent = self.num_registrations, parent
-                cached[hashes[j]] = block.block_id
-            chain.append(block.registration)
-            found.append(block.block_id)
+                cached[block_hash] = block_id
+            parent = block.registration
+            chain.append(parent)
+            found.append(block_id)
         return found
 
     def _share(self, block_id: int) -> None:
