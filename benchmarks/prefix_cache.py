@@ -12,6 +12,7 @@ once, nothing shared, step 9 with it on and off against step 8). Details: benchm
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from pathlib import Path
@@ -154,7 +155,11 @@ def throughput(name: str, device: str, dtype: str, runs: int, n: int, lengths: d
         for e, m in modules.items()
     }
     vocab = llms["step9"].engine.config.vocab_size
-    out = {"config": size}
+    # the three engines' objects frozen (as step 10 does at start-up): a full collection over them, which
+    # lands on whichever engine runs then, would otherwise decide more than the bookkeeping measured here
+    gc.collect()
+    gc.freeze()
+    out = {"config": {**size, "gc": "frozen after the engines were built"}}
     for wname, (prompt_tokens, max_tokens) in lengths.items():
         print(f"  throughput, {wname}: {n} x ({prompt_tokens} + {max_tokens}), nothing shared", flush=True)
         seed = TOKEN_SEED + 1000 * (1 + list(lengths).index(wname))
@@ -170,6 +175,7 @@ def throughput(name: str, device: str, dtype: str, runs: int, n: int, lengths: d
                 "step9_off/step8 throughput": ("step9_off", "step8", "throughput_tok_s"),
             },
         )
+    gc.unfreeze()
     del llms
     harness.free(device)
     return out

@@ -258,7 +258,11 @@ def repeated(launch, reps: int, device: str):
     with torch.cuda.graph(graph):
         for _ in range(reps):
             launch()
-    return graph.replay
+
+    def replay(inputs=launch):  # holds the captured tensors: freed, the graph would read released memory
+        graph.replay()
+
+    return replay
 
 
 def e2e_point(folder, device, dtype, runs, requests, prompt_len, max_tokens) -> dict:

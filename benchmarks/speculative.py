@@ -23,12 +23,19 @@ from .lib.models import snapshot
 NAME = "speculative"
 DEFAULT_MODELS = ["demo"]
 DEFAULT_RUNS = 3
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# disable_by_batch_size None: speculation at every batch size, the figures its default is chosen from
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+    "disable_by_batch_size": None,
+}
 # a model's draft for the "draft" engine (the demo draft: demo/train.py at 2 layers, width 128); models
 # not named here run "off" and "ngram" only
 DRAFTS = {"demo": REPO_ROOT / "demo" / "draft"}
 DRAFT_K = 4
-BATCHES = {"cpu": [1, 16, 64], "cuda": [1, 16, 64, 256]}
+BATCHES = {"cpu": [1, 16, 64], "cuda": [1, 16, 64, 128, 256]}
 MAX_TOKENS = {"cpu": 64, "cuda": 128}
 QUICK = {"batches": [1, 4], "max_tokens": 16}
 PASSAGES = [  # in-domain for the demo checkpoint (trained on Python's documentation); written for this file
@@ -51,7 +58,8 @@ ENGINES = {
     "off": "step11_speculative.LLM(max_num_seqs=B): no speculation (step 10's path; async on CUDA)",
     "ngram": f"step11_speculative.LLM(max_num_seqs=B, speculative_config={NGRAM}) (async scheduling off)",
     "draft": "step11_speculative.LLM(max_num_seqs=B, speculative_config={'method': 'draft_model', 'model': "
-    f"<DRAFTS[model]>, 'num_speculative_tokens': {DRAFT_K}}}) (models with a draft only: demo -> demo/draft)",
+    f"<DRAFTS[model]>, 'num_speculative_tokens': {DRAFT_K}, 'disable_by_batch_size': None}}) "
+    "(models with a draft only: demo -> demo/draft)",
 }
 
 
@@ -124,6 +132,7 @@ def bench_model(name: str, device: str, dtype: str, runs: int, batches: list[int
         }
         if name in DRAFTS:
             draft = {"method": "draft_model", "model": str(DRAFTS[name]), "num_speculative_tokens": DRAFT_K}
+            draft["disable_by_batch_size"] = None
             llms["draft"] = step11.LLM(
                 model=str(folder), device=device, dtype=dtype, max_num_seqs=batch, speculative_config=draft
             )

@@ -62,6 +62,16 @@ NOT_SPECIALISED = dict(
 )
 
 
+@triton.jit
+def _to_float32(x):
+    """An 8-bit tile in fp32, exactly. int8 by its bits: 0x4B000080 + x read as a float32 is 2^23 + 128 + x
+    (x in the low mantissa bits), so an integer add and a float subtract replace the int-to-float
+    conversion, which has a fraction of their throughput and bound int8 decodes (benchmarks/NOTES.md)."""
+    if x.dtype == tl.int8:
+        return (x.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    return x.to(tl.float32)
+
+
 @triton.jit(**NOT_SPECIALISED)
 def _paged_attention_kernel(
     q_ptr,
@@ -125,6 +135,10 @@ def _paged_attention_kernel(
     convert exactly to q's dtype for the dots; the K scale multiplies the score vector (q . k_q x
     k_scale[n]) and the V scale the probabilities before P @ V (p[n] x v_scale[n]), after their sum
     (vLLM's triton_unified_attention.py): a vector per tile, no dequantized tile. Off: today's kernel.
+    BLOCK_M = 1 (the launcher's choice for 8-bit decodes): the two products are sums on CUDA cores in fp32.
+    A tensor-core dot takes its operands from shared memory in q's dtype, so a converted 8-bit tile makes
+    a round trip there, and a decode fills one of its 16 rows: measured no faster than fp16 with half the
+    bytes. Read straight into registers, the 8-bit tile's halved bytes are the saving (benchmarks/NOTES.md).
     """
     # last tiles first: a long prompt's heaviest tiles start early
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -135,12 +149,12 @@ def _paged_attention_kernel(
     hi = num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        first_tile = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_M + mid
         lo = tl.where(first_tile <= tile, mid, lo)
         hi = tl.where(first_tile <= tile, hi, mid)
     s = lo
-    q_start = tl.load(query_start_loc_ptr + s)
-    q_len = tl.load(query_start_loc_ptr + s + 1) - q_start
+    q_start = tl.load(query_start_loc_ptr + s).to(tl.int32)  # int32 index arithmetic: 64-bit costs the
+    q_len = tl.load(query_start_loc_ptr + s + 1).to(tl.int32) - q_start  # 8-bit path's decodes ~30%
     row0 = (tile - (q_start // BLOCK_M + s)) * BLOCK_M  # first query row of this tile, within the sequence
     if row0 >= q_len:
         return
@@ -161,6 +175,8 @@ def _paged_attention_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max of the scores (base 2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)  # running sum of exp2(score - m_i) * v
+    q_row = tl.sum(q.to(tl.float32), 0)  # [D_PAD] BLOCK_M = 1: the one row, and its sum below
+    acc_row = tl.zeros([D_PAD], dtype=tl.float32)
     kv_end = context_len + tl.minimum(row0 + BLOCK_M, q_len)  # keys this tile needs: 0 .. kv_end - 1
     block_table = block_tables_ptr + s.to(tl.int64) * stride_bts
     for start in range(0, kv_end, BLOCK_N):
@@ -187,27 +203,45 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, D_PAD]
-        if KV_QUANT:  # 8-bit tiles: exact in q's dtype; the scales of these keys, one each, in fp32
+        if KV_QUANT:  # 8-bit tiles (exact in q's dtype and in fp32): the scales of these keys, in fp32
             scale_at = block * stride_sb + slot * stride_ss + h * stride_sh  # [BLOCK_N]
             k_scale = tl.load(k_scale_ptr + scale_at, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
             v_scale = tl.load(v_scale_ptr + scale_at, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        if KV_QUANT:
-            scores = scores * k_scale[None, :]  # q . (k_q x k_scale): the keys' scale on the score vector
-        scores = tl.where(n[None, :] <= positions[:, None], scores, float("-inf"))  # causal (and n < L)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: avoid -inf - -inf
-        alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max
-        p = tl.exp2(scores - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if KV_QUANT:  # sum_n p[n] v_scale[n] v_q[n]: the values' scale on the probabilities, after l_i
-            p = p * v_scale[None, :]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
+        if BLOCK_M == 1:  # one query row (8-bit decodes): vectors and sums on CUDA cores, in fp32
+            s_n = tl.sum(q_row[None, :] * _to_float32(k), 1) * qk_scale  # [BLOCK_N]
+            if KV_QUANT:
+                s_n = s_n * k_scale
+            s_n = tl.where(n <= positions, s_n, float("-inf"))  # causal (and n < L)
+            m_new = tl.maximum(m_i, tl.max(s_n, 0))  # [1]
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p_n = tl.exp2(s_n - m_safe)  # [BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p_n, 0)
+            if KV_QUANT:
+                p_n = p_n * v_scale
+            acc_row = acc_row * alpha + tl.sum(p_n[:, None] * _to_float32(v), 0)  # [D_PAD]
+        else:
+            if KV_QUANT:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            if KV_QUANT:
+                scores = scores * k_scale[None, :]  # q . (k_q x k_scale): the keys' scale on the scores
+            scores = tl.where(n[None, :] <= positions[:, None], scores, float("-inf"))  # causal (and n < L)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
+            alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max
+            p = tl.exp2(scores - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if KV_QUANT:  # sum_n p[n] v_scale[n] v_q[n]: the values' scale on the probabilities, after l_i
+                p = p * v_scale[None, :]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
         m_i = m_new
+
+    if BLOCK_M == 1:
+        acc = acc_row[None, :]
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -223,9 +257,11 @@ def _paged_attention_kernel(
 TILE_TABLE_QUERY_LENS = (1, 64, 128)
 
 
-def _attention_config(max_query_len: int, head_dim: int) -> dict:
+def _attention_config(max_query_len: int, head_dim: int, quantized: bool = False) -> dict:
     """Tile sizes for the kernel, by the longest query run in the batch (a fixed table, no autotuning; a
-    new row needs its query length in ``TILE_TABLE_QUERY_LENS``)."""
+    new row needs its query length in ``TILE_TABLE_QUERY_LENS``); 8-bit decodes one row per tile."""
+    if quantized and max_query_len == 1:  # CUDA-core products (see the kernel)
+        return dict(block_m=1, block_n=128, num_warps=2, num_stages=2)
     if max_query_len <= 16:  # decodes, short chunks: 16 rows, the smallest tl.dot M
         return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
     if max_query_len <= 64:
@@ -322,8 +358,8 @@ def paged_attention(
     seq_lens[s] - query_len + i and attends to keys 0 .. that position. scale: default D ** -0.5.
     k_scale, v_scale: [num_blocks, block_size, H] float16/float32, with 8-bit (int8 or float8_e4m3fn)
     k_cache, v_cache: key n of head h is k_cache[b, i, h] x k_scale[b, i, h] (``kv_cache.quantize``).
-    block_m, block_n, num_warps, num_stages override the tile table (block_m >= 16 and block_n >= 16,
-    powers of two, on a GPU).
+    block_m, block_n, num_warps, num_stages override the tile table (block_m >= 16, or 1 with an 8-bit
+    pool, and block_n >= 16, powers of two, on a GPU).
     Returns out [N, H, D] in q's dtype. Raises ValueError, naming the argument, on inconsistent shapes,
     dtypes or devices and on a non-contiguous seq_lens or query_start_loc (block_tables may be any view),
     or on bfloat16 on a CPU (``CPU_BF16_UNSUPPORTED``); RuntimeError on CPU tensors without the
@@ -345,10 +381,10 @@ def paged_attention(
     # where "ieee" (no tensor cores) was far slower in the engine (benchmarks/NOTES.md, the fp32 run); the
     # interpreter computes "ieee". Halves ignore it.
     precision = "tf32" if q.dtype != torch.float32 else "tf32x3" if q.device.type == "cuda" else "ieee"
-    cfg = _attention_config(max_query_len, D)
+    quantized = k_scale is not None
+    cfg = _attention_config(max_query_len, D, quantized)
     block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
     grid = (N // block_m + S, H)  # one program per (query tile, head); see the kernel for the tile numbering
-    quantized = k_scale is not None
     _paged_attention_kernel[grid](
         q,
         k_cache,
