@@ -225,9 +225,10 @@ class LLMEngine:
         a sequence's max_tokens: what passes it is verified and dropped (``Sequence.append`` ends the
         sequence there), so that a step near the end of a request stays uniform (a CUDA graph)."""
         spec, running = self.speculative, self.scheduler.running
-        if spec is None or (
-            spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
-        ):
+        if spec is None:
+            return
+        enqueued = len(running) + len(self.scheduler.waiting)  # vLLM's count: drafts delay admissions
+        if spec.disable_by_batch_size is not None and enqueued >= spec.disable_by_batch_size:
             return
         seqs = [seq for seq in running if seq.params.logprobs is None and not uses_penalty(seq.params)]
         ks = [min(spec.num_speculative_tokens, self.max_model_len - len(seq) - 1) for seq in seqs]

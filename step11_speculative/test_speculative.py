@@ -208,6 +208,7 @@ def test_the_core_in_a_child_process_and_the_server(demo_snapshot, plain):
         assert accepted == stats["spec_decode_num_accepted_tokens"] > 0
         assert counter(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
         assert 0 < stats["spec_decode_acceptance_rate"] <= 1 < stats["spec_decode_mean_acceptance_length"]
+        assert stats["features"]["speculative_decoding"] == "ngram"
 
 
 def test_seeded_sampling_is_reproducible(spec):
@@ -367,6 +368,33 @@ def test_ngram_proposes_for_a_batch_what_it_proposes_for_each_sequence():
         ks = [rng.randint(-1, 6) for _ in batch]
         want = [reference_lookup(ids, k, min_n, max_n) for ids, k in zip(batch, ks)]
         assert prop.propose_batch(batch, ks) == want
+
+
+def test_speculation_is_off_while_disable_by_batch_size_requests_run_or_wait(demo_snapshot):
+    """disable_by_batch_size counts the running and the waiting requests (vLLM's count): 6 requests, 2 at a
+    time, a threshold of 4: no drafts until at most 3 are left (a count of the running alone, never above
+    2, would speculate from the first step); greedy ids equal speculation off."""
+    args = dict(model=str(demo_snapshot), block_size=BLOCK, max_num_seqs=2)
+    engine = LLMEngine(**args, speculative_config={**NGRAM, "disable_by_batch_size": 4})
+    plain = LLMEngine(**args)
+    enqueued_when_proposing = []
+    propose_all = engine.proposer.propose_all
+
+    def spy(seqs, ks):
+        enqueued_when_proposing.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        propose_all(seqs, ks)
+
+    engine.proposer.propose_all = spy
+    got, want = {}, {}
+    for llm_engine, out in ((engine, got), (plain, want)):
+        for i, prompt in enumerate(PROMPTS):
+            llm_engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=0))
+        while llm_engine.has_unfinished_requests():
+            for o in llm_engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert got == want
+    assert enqueued_when_proposing and max(enqueued_when_proposing) <= 3
+    assert engine.stats.spec_decode_num_drafts > 0
 
 
 def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):

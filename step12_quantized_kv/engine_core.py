@@ -45,7 +45,7 @@ EXPECTED_STARTUP_ERRORS = (ValueError, TypeError, ConnectionError)
 
 def engine_features(engine: LLMEngine) -> dict[str, str | bool]:
     """How ``engine`` runs, as it resolved its arguments: names (device, dtype, attention backend), and
-    True / False for each mechanism that can be on or off."""
+    True / False for each mechanism that can be on or off (speculative decoding: its method, or False)."""
     args = engine.args
     return {
         "device": str(args.torch_device),
@@ -55,6 +55,7 @@ def engine_features(engine: LLMEngine) -> dict[str, str | bool]:
         "cuda_graphs": engine.model_runner.graph_runner is not None,  # captured at start-up
         "async_scheduling": args.async_scheduling,
         "prefix_caching": args.enable_prefix_caching,
+        "speculative_decoding": engine.speculative.method if engine.speculative else False,
     }
 
 

@@ -139,12 +139,12 @@ UNCHANGED_FROM_PREVIOUS = {
         "static/index.html",
     ],
     # step 11 drafts tokens and verifies them in one pass: the scheduler, block manager, input batch, runner,
-    # sequence, engine, config, stats and metrics change; the model, kernels, sampler, processes stay
+    # sequence, engine, config, stats, metrics and the features line change; the model, kernels, sampler,
+    # processes stay
     "step11_speculative": [
         "__main__.py",
         "core_client.py",
         "cuda_graph.py",
-        "engine_core.py",
         "kernels.py",
         "kv_cache.py",
         "llm.py",
