@@ -227,8 +227,9 @@ class LLMEngine:
         spec, running = self.speculative, self.scheduler.running
         if spec is None:
             return
-        enqueued = len(running) + len(self.scheduler.waiting)  # vLLM's count: drafts delay admissions
-        if spec.disable_by_batch_size is not None and enqueued >= spec.disable_by_batch_size:
+        # the batch this step would run if drafts did not take the budget that admits waiting requests
+        batch = min(len(running) + len(self.scheduler.waiting), self.scheduler.max_num_seqs)
+        if spec.disable_by_batch_size is not None and batch >= spec.disable_by_batch_size:
             return
         seqs = [seq for seq in running if seq.params.logprobs is None and not uses_penalty(seq.params)]
         ks = [min(spec.num_speculative_tokens, self.max_model_len - len(seq) - 1) for seq in seqs]

@@ -26,8 +26,8 @@ class SpeculativeConfig:
     """What to speculate with (vLLM's names). method: "ngram" (prompt lookup) or "draft_model";
     num_speculative_tokens: k, the guesses verified per step; prompt_lookup_min / prompt_lookup_max: the
     n-gram lengths tried, longest first; model: the draft model ("draft_model"); disable_by_batch_size: no
-    speculation in a step while at least this many requests are running or waiting (None: always; 128 by
-    default: on the H200 n-gram speculation paid at 64 and lost at 128 and 256, step 11's README)."""
+    speculation while the batch, the running and waiting requests up to max_num_seqs, is at least this
+    (None: always; 128 by default: on the H200 n-gram speculation paid at 64 and lost at 128 and 256)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

@@ -370,31 +370,36 @@ def test_ngram_proposes_for_a_batch_what_it_proposes_for_each_sequence():
         assert prop.propose_batch(batch, ks) == want
 
 
-def test_speculation_is_off_while_disable_by_batch_size_requests_run_or_wait(demo_snapshot):
-    """disable_by_batch_size counts the running and the waiting requests (vLLM's count): 6 requests, 2 at a
-    time, a threshold of 4: no drafts until at most 3 are left (a count of the running alone, never above
-    2, would speculate from the first step); greedy ids equal speculation off."""
-    args = dict(model=str(demo_snapshot), block_size=BLOCK, max_num_seqs=2)
-    engine = LLMEngine(**args, speculative_config={**NGRAM, "disable_by_batch_size": 4})
-    plain = LLMEngine(**args)
-    enqueued_when_proposing = []
-    propose_all = engine.proposer.propose_all
+def test_disable_by_batch_size_counts_the_batch_the_step_would_run(demo_snapshot):
+    """disable_by_batch_size compares the batch a step would run, the running and waiting requests up to
+    max_num_seqs, not the running alone: 6 prompts of 100 tokens, 6 places, a budget of 512 tokens (5
+    prompts a step), a threshold of 6: no drafts while all 6 are there, though only 5 run in the first
+    decode step (the drafts would then take the budget that admits the sixth). With 2 places the batch is
+    never 6: drafts from the start. Greedy ids equal speculation off."""
+    for places, most_when_proposing in ((6, 5), (2, 6)):
+        args = dict(model=str(demo_snapshot), block_size=BLOCK, max_num_seqs=places)
+        engine = LLMEngine(**args, speculative_config={**NGRAM, "disable_by_batch_size": 6})
+        plain = LLMEngine(**args)
+        enqueued_when_proposing = []
+        propose_all = engine.proposer.propose_all
 
-    def spy(seqs, ks):
-        enqueued_when_proposing.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
-        propose_all(seqs, ks)
+        def spy(seqs, ks, engine=engine, seen=enqueued_when_proposing, propose_all=propose_all):
+            seen.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+            propose_all(seqs, ks)
 
-    engine.proposer.propose_all = spy
-    got, want = {}, {}
-    for llm_engine, out in ((engine, got), (plain, want)):
-        for i, prompt in enumerate(PROMPTS):
-            llm_engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=0))
-        while llm_engine.has_unfinished_requests():
-            for o in llm_engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert got == want
-    assert enqueued_when_proposing and max(enqueued_when_proposing) <= 3
-    assert engine.stats.spec_decode_num_drafts > 0
+        engine.proposer.propose_all = spy
+        ids = engine.tokenizer.encode(" ".join(PROMPTS))
+        prompts = [(ids * 10)[i : i + 100] for i in range(6)]
+        got, want = {}, {}
+        for llm_engine, out in ((engine, got), (plain, want)):
+            for i, prompt in enumerate(prompts):
+                llm_engine.add_request(str(i), prompt, SamplingParams(max_tokens=6 + i, temperature=0))
+            while llm_engine.has_unfinished_requests():
+                for o in llm_engine.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert got == want
+        assert max(enqueued_when_proposing) == most_when_proposing
+        assert engine.stats.spec_decode_num_drafts > 0
 
 
 def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
