@@ -131,8 +131,12 @@ def bench_model(name: str, device: str, dtype: str, runs: int, batches: list[int
             ),
         }
         if name in DRAFTS:
-            draft = {"method": "draft_model", "model": str(DRAFTS[name]), "num_speculative_tokens": DRAFT_K}
-            draft["disable_by_batch_size"] = None
+            draft = {
+                "method": "draft_model",
+                "model": str(DRAFTS[name]),
+                "num_speculative_tokens": DRAFT_K,
+                "disable_by_batch_size": None,
+            }
             llms["draft"] = step11.LLM(
                 model=str(folder), device=device, dtype=dtype, max_num_seqs=batch, speculative_config=draft
             )

@@ -137,16 +137,12 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose_all(self, seqs: list, ks: list[int]) -> None:
-        """Set each sequence's ``spec_token_ids``: ``propose_batch`` over their ids, its k of them."""
-        for seq, drafts in zip(seqs, self.propose_batch([seq.token_ids for seq in seqs], ks)):
-            seq.spec_token_ids = drafts
+        """Set each sequence's ``spec_token_ids``: ``propose`` of its ids with its k."""
+        for seq, k in zip(seqs, ks):
+            seq.spec_token_ids = self.propose(seq.token_ids, k)
 
     def release(self, seq_id: str) -> None:
         """Nothing to give back: prompt lookup keeps no state."""
-
-    def propose_batch(self, token_ids: list[list[int]], ks: list[int]) -> list[list[int]]:
-        """``propose`` of each sequence (ids [L_i]) with its k_i."""
-        return [self.propose(ids, k) for ids, k in zip(token_ids, ks)]
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """k ids: those that followed the most recent earlier occurrence of the last n ids, for the largest

@@ -339,7 +339,7 @@ def test_ngram_drafts_are_always_k():
 
 
 def reference_lookup(ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup written out one comparison at a time: the oracle of ``propose_batch``."""
+    """Prompt lookup written out one comparison at a time: the oracle of ``propose``."""
     if k < 1:
         return []
     for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
@@ -351,7 +351,7 @@ def reference_lookup(ids: list[int], k: int, min_n: int, max_n: int) -> list[int
     return [ids[-1]] * k
 
 
-def test_ngram_proposes_for_a_batch_what_it_proposes_for_each_sequence():
+def test_the_string_lookup_equals_the_written_out_one():
     """The string lookup (one character an id, ``str.rfind``) equals the written-out one for every row, over
     batches of mixed lengths, alphabets (ids around the surrogates and up to 0x10FFFF too), n ranges and k
     (k < 1 included)."""
@@ -367,7 +367,7 @@ def test_ngram_proposes_for_a_batch_what_it_proposes_for_each_sequence():
         ]
         ks = [rng.randint(-1, 6) for _ in batch]
         want = [reference_lookup(ids, k, min_n, max_n) for ids, k in zip(batch, ks)]
-        assert prop.propose_batch(batch, ks) == want
+        assert [prop.propose(ids, k) for ids, k in zip(batch, ks)] == want
 
 
 def test_disable_by_batch_size_counts_the_batch_the_step_would_run(demo_snapshot):

@@ -188,8 +188,7 @@ class EngineArgs:
         "speculative decoding, vLLM's fields as JSON: method ('ngram' or 'draft_model'), "
         "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model (the draft), "
         "disable_by_batch_size (no drafts while this many requests run or wait, up to max_num_seqs; default "
-        "128; null: always); "
-        "async scheduling off",
+        "128; null: always); async scheduling off",
         (lambda value: value is None or isinstance(value, (dict, str)), "a dict, its JSON text, or None"),
         type=str,
     )

@@ -153,8 +153,9 @@ def _paged_attention_kernel(
         lo = tl.where(first_tile <= tile, mid, lo)
         hi = tl.where(first_tile <= tile, hi, mid)
     s = lo
-    q_start = tl.load(query_start_loc_ptr + s).to(tl.int32)  # int32 index arithmetic: 64-bit costs the
-    q_len = tl.load(query_start_loc_ptr + s + 1).to(tl.int32) - q_start  # 8-bit path's decodes ~30%
+    # int32 index arithmetic from here: int64 metadata would make every key's block lookup 64-bit
+    q_start = tl.load(query_start_loc_ptr + s).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + s + 1).to(tl.int32) - q_start
     row0 = (tile - (q_start // BLOCK_M + s)) * BLOCK_M  # first query row of this tile, within the sequence
     if row0 >= q_len:
         return
