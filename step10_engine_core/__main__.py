@@ -120,7 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (uvicorn listens on it later). Raises OSError naming the port."""
+    """A socket bound to ``host:port`` and listening: a client that connects after the URL is printed but
+    before uvicorn accepts waits in the backlog instead of being refused. Raises OSError naming the port."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -132,6 +133,7 @@ def bind(host: str, port: int) -> socket.socket:
                 f"port {port} on {host} is already in use: choose another with --port (0: any free port)"
             ) from None
         raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
+    sock.listen()  # uvicorn calls listen again with its own backlog
     return sock
 
 

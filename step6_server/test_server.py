@@ -35,8 +35,8 @@ import uvicorn
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from .__main__ import bind, make_parser, parse_args
 from .__main__ import main as cli_main
-from .__main__ import make_parser, parse_args
 from .api_server import build_app
 from .async_engine import AsyncEngine, EngineRequest, QueueFullError
 from .engine import LLMEngine
@@ -1070,6 +1070,15 @@ def test_cli_a_port_in_use_is_reported_before_the_model_loads(run_main):
         status, _, err = run_main(cli_main, ["--model", "/nonexistent/model/folder", "--port", str(port)])
     assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert f"port {port}" in err and "in use" in err and "nonexistent" not in err
+
+
+def test_a_client_that_connects_before_uvicorn_serves_waits_instead_of_being_refused():
+    """The URL is printed before uvicorn's loop starts accepting: the bound socket already listens, so a
+    client that connects in between is queued in the backlog (on a busy machine the gap is long enough to
+    be hit: "connection refused" before the socket listened)."""
+    with bind("127.0.0.1", 0) as sock:
+        with socket.create_connection(sock.getsockname()[:2], timeout=SAFETY_NET_S):
+            pass  # connected: no ConnectionRefusedError, with nobody accepting yet
 
 
 def test_cli_bad_flag_as_a_process():
