@@ -38,6 +38,9 @@ QUICK = {"num_requests": 8, "max_tokens": 8}
 # nothing shared, every request at once: workload -> (prompt tokens, generated tokens); on a GPU only
 THROUGHPUT = {"short": (32, 128), "long": (512, 256)}
 THROUGHPUT_REQUESTS = 256
+# LLM.generate calls of THROUGHPUT_REQUESTS per timed run: a short batch takes about 0.25 s on the H200,
+# too short to tell 3 % from the run-to-run spread (0.76-1.19x in 15 runs of one call)
+THROUGHPUT_CALLS = {"short": 8, "long": 2}
 QUICK_THROUGHPUT = {"short": (8, 8)}  # --quick: 8 requests, on any device
 ENGINES = {
     "step9": "step9_prefix_cache.LLMEngine(block_size=16, max_num_seqs=B), prefix caching on (the default)",
@@ -116,7 +119,8 @@ def run(
     if kind == "cuda" or quick:
         lengths, n = (QUICK_THROUGHPUT, 8) if quick else (THROUGHPUT, THROUGHPUT_REQUESTS)
         result["workload"]["throughput"] = (
-            f"{n} requests submitted at once per workload (prompt + generated tokens: {lengths}), greedy, "
+            f"{n} requests submitted at once per workload (prompt + generated tokens: {lengths}), "
+            f"LLM.generate calls of them per run {THROUGHPUT_CALLS} back to back, greedy, "
             "ignore_eos; every prompt its own, drawn anew every run (nothing shared, nothing cached from "
             "before); LLM.generate timed with the device synchronised; engines alternated, order rotated "
             "per run, after one untimed run each; ratios are medians of per-run ratios"
@@ -163,8 +167,9 @@ def throughput(name: str, device: str, dtype: str, runs: int, n: int, lengths: d
     for wname, (prompt_tokens, max_tokens) in lengths.items():
         print(f"  throughput, {wname}: {n} x ({prompt_tokens} + {max_tokens}), nothing shared", flush=True)
         seed = TOKEN_SEED + 1000 * (1 + list(lengths).index(wname))
+        repeat = THROUGHPUT_CALLS.get(wname, 1)
         calls = {
-            e: unshared_generate(llm, modules[e], vocab, n, prompt_tokens, max_tokens, seed, device)
+            e: unshared_generate(llm, modules[e], vocab, n, prompt_tokens, max_tokens, seed, device, repeat)
             for e, llm in llms.items()
         }
         raw = harness.alternate(calls, runs, warmup=1)
@@ -255,18 +260,23 @@ def measured(engine, module, kind: str, vocab: int, num_requests: int, max_token
 
 
 def unshared_generate(
-    llm, module, vocab: int, n: int, prompt_tokens: int, max_tokens: int, seed: int, device
+    llm, module, vocab: int, n: int, prompt_tokens: int, max_tokens: int, seed: int, device, repeat: int = 1
 ):
-    """A call that runs the next run of ``n`` requests through ``llm.generate`` and returns its figures:
-    run i (from -1, the warm-up) draws every prompt from random.Random(seed + i), alike for every engine."""
+    """A call that runs the next run, ``repeat`` back-to-back ``llm.generate`` calls of ``n`` requests,
+    and returns its figures: run i (from -1, the warm-up) draws every prompt from random.Random(seed + i),
+    alike for every engine."""
     count = iter(range(-1, 10**6))
 
     def call() -> dict:
         ids = random.Random(seed + next(count))
-        prompts = [[ids.randrange(vocab - 1) for _ in range(prompt_tokens)] for _ in range(n)]
+        batches = [
+            [[ids.randrange(vocab - 1) for _ in range(prompt_tokens)] for _ in range(n)]
+            for _ in range(repeat)
+        ]
         params = module.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         wall, outs = harness.timed(
-            lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params), device
+            lambda: [o for b in batches for o in llm.generate(prompt_token_ids=b, sampling_params=params)],
+            device,
         )
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         return {"wall_s": wall, "generated_tokens": generated, "throughput_tok_s": generated / wall}

@@ -1,10 +1,10 @@
 """Step 11's benchmark: speculative decoding with prompt-lookup or draft-model drafts against none.
 
-``extractive`` (a passage, then its first sentence again: the answer repeats the prompt) and ``prose`` (an
-opening line); B requests of the demo checkpoint through ``LLM.generate`` at B = 1, 16, 64, 256 (CPU: 1,
-16, 64), greedy, ``ignore_eos``; ``off`` (no speculation: step 10's path), ``ngram`` (k = 4, n-grams of 4
-down to 2) and ``draft`` (the demo's draft demo/draft, k = 4) alternated in each run. Figures: tok/s, ms
-per token, acceptance rate, mean acceptance length, eager verification steps. Details: benchmarks/README.md.
+``extractive`` (a passage, then its first sentence again) and ``prose`` (an opening line); B requests of
+the demo checkpoint (on CUDA also GPT-2 124M's shapes, random weights) at B = 1, 16, 64, 128, 256 (CPU: 1,
+16, 64), greedy, ``ignore_eos``; ``off`` (step 10's path), ``ngram`` (k = 4, n-grams of 4 down to 2; also
+``ngram_default`` where its default turns it off) and ``draft`` (demo/draft, k = 4), alternated in each
+run. Figures: tok/s, ms per token, acceptance, eager verification steps. Details: benchmarks/README.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks speculative      # CPU, fp32, 3 runs
     python -m benchmarks speculative --device cuda          # fp16
@@ -21,7 +21,7 @@ from .lib import harness
 from .lib.models import snapshot
 
 NAME = "speculative"
-DEFAULT_MODELS = ["demo"]
+DEFAULT_MODELS = ["demo"]  # on cuda also gpt2-124m-random: GPT-2 124M's shapes (see main)
 DEFAULT_RUNS = 3
 # disable_by_batch_size None: speculation at every batch size, the figures its default is chosen from
 NGRAM = {
@@ -54,9 +54,13 @@ OPENINGS = [
     "Exceptions are raised when",
     "The standard library provides",
 ]
+# the n-gram config with its default disable_by_batch_size (128), timed where that default turns it off
+NGRAM_DEFAULT = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
 ENGINES = {
     "off": "step11_speculative.LLM(max_num_seqs=B): no speculation (step 10's path; async on CUDA)",
     "ngram": f"step11_speculative.LLM(max_num_seqs=B, speculative_config={NGRAM}) (async scheduling off)",
+    "ngram_default": f"step11_speculative.LLM(max_num_seqs=B, speculative_config={NGRAM_DEFAULT}): the "
+    "default disable_by_batch_size, at B >= it only",
     "draft": "step11_speculative.LLM(max_num_seqs=B, speculative_config={'method': 'draft_model', 'model': "
     f"<DRAFTS[model]>, 'num_speculative_tokens': {DRAFT_K}, 'disable_by_batch_size': None}}) "
     "(models with a draft only: demo -> demo/draft)",
@@ -79,7 +83,10 @@ def main(
     """The CLI entry (``python -m benchmarks speculative``)."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     size = QUICK if quick else {"batches": BATCHES[kind], "max_tokens": MAX_TOKENS[kind]}
-    return run(models or DEFAULT_MODELS, device, 1 if quick else runs, quick=quick, **size)
+    models = models or (
+        DEFAULT_MODELS + ["gpt2-124m-random"] if kind == "cuda" and not quick else DEFAULT_MODELS
+    )
+    return run(models, device, 1 if quick else runs, quick=quick, **size)
 
 
 def run(
@@ -120,6 +127,7 @@ def run(
 
 def bench_model(name: str, device: str, dtype: str, runs: int, batches: list[int], max_tokens: int) -> dict:
     import step11_speculative as step11
+    from step11_speculative.spec_decode import SpeculativeConfig
 
     folder = snapshot(name)
     out = {"snapshot": str(folder), "points": {}}
@@ -130,6 +138,14 @@ def bench_model(name: str, device: str, dtype: str, runs: int, batches: list[int
                 model=str(folder), device=device, dtype=dtype, max_num_seqs=batch, speculative_config=NGRAM
             ),
         }
+        if batch >= SpeculativeConfig().disable_by_batch_size:
+            llms["ngram_default"] = step11.LLM(
+                model=str(folder),
+                device=device,
+                dtype=dtype,
+                max_num_seqs=batch,
+                speculative_config=NGRAM_DEFAULT,
+            )
         if name in DRAFTS:
             draft = {
                 "method": "draft_model",
@@ -153,6 +169,8 @@ def bench_model(name: str, device: str, dtype: str, runs: int, batches: list[int
                 "median": {e: harness.medians(r) for e, r in per_run.items()},
                 "ratio": harness.ratio(per_run["ngram"], per_run["off"], "tok_per_s"),
             }
+            if "ngram_default" in per_run:
+                point["default_ratio"] = harness.ratio(per_run["ngram_default"], per_run["off"], "tok_per_s")
             if "draft" in per_run:
                 point["draft_ratio"] = harness.ratio(per_run["draft"], per_run["off"], "tok_per_s")
         for llm in llms.values():
@@ -217,10 +235,11 @@ def report(result: dict) -> str:
                     f"{ngram['ms_per_token']:.2f}",
                     f"{100 * ngram['acceptance_rate']:.0f} %",
                     f"{ngram['mean_acceptance_length']:.2f}",
+                    f"{point['default_ratio']['median']:.2f}x" if "default_ratio" in point else "",
                 ]
             )
         headers = ["workload", "B", "off tok/s", "ngram tok/s", "ngram/off", "off ms/tok", "ngram ms/tok",
-                   "accepted", "mean accept len"]  # fmt: skip
+                   "accepted", "mean accept len", "default/off"]  # fmt: skip
         lines += [
             f"{name} ({result['machine']['device']}, {result['machine']['dtype']})",
             harness.table(headers, rows),

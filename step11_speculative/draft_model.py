@@ -1,38 +1,64 @@
 """The draft-model proposer: a smaller GPT-2 with the target's tokenizer drafts k tokens (vLLM's name).
 
-The same model code as the target (model.py), its own paged KV cache and block tables. Per engine step
-and sequence: one pass over the tokens the draft has not seen yet (its first time: the whole sequence;
-then the accepted tokens since), which drafts d1, then k - 1 one-token passes, each over the draft before.
-All sequences go together, each pass one flat batch, every lane a prefill over cached context (step 9's
-path, through the Triton kernel on a GPU). Greedy requests draft the argmax; sampled ones draw from the
-draft's warped law q (the sampler's stages), kept in ``Sequence.spec_probs`` for the rejection sampler.
-Before each step the draft's length rolls back to the sequence's accepted tokens.
+The same model code as the target (model.py), its own paged KV cache and block tables. Per engine step all
+sequences go through the same decode passes, one token a lane, over persistent buffers (on a GPU, CUDA
+graphs on the target's ladder of batch sizes): one or two over each lane's last tokens (two after k drafts
+were accepted), the last drafting d1, then k - 1 passes, each over the draft before. A sequence the draft
+has not seen (its first step, or one after steps without drafts) is brought up to its last token by an eager
+prefill first. Greedy requests draft the argmax; sampled ones draw from the draft's warped law q, kept in
+``Sequence.spec_probs`` for the rejection sampler. Each step the draft rolls back to the accepted tokens.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .block_manager import blocks_for
+from .cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
 from .kv_cache import PagedKVCache
-from .model import GPT, AttentionMetadata
+from .model import GPT, AttentionMetadata, decode_attention_mask
 from .rejection_sampler import warp
 from .sampler import exponential_race
 from .sampling_params import is_greedy
 from .sequence import Sequence
 
+MAX_CATCH_UP = 2  # tokens a step feeds a lane by decode passes; more (a first step) go by an eager prefill
+
 
 class DraftModelProposer:
     """Drafts with the model in ``folder`` on the target's device, dtype, attention backend and block size,
-    in a pool of ``num_blocks`` blocks of its own (``propose_all``, ``release``)."""
+    in a pool of ``num_blocks`` blocks of its own (and a scratch block), for up to ``max_num_seqs``
+    sequences a step (``propose_all``, ``release``; ``capture_cudagraphs`` on a CUDA device)."""
 
-    def __init__(self, folder, device, dtype, attention_backend: str, block_size: int, num_blocks: int):
+    def __init__(
+        self,
+        folder,
+        device,
+        dtype,
+        attention_backend: str,
+        block_size: int,
+        num_blocks: int,
+        max_num_seqs: int,
+    ):
         self.model = GPT.from_pretrained(str(folder), device=device, dtype=dtype)
         self.device, self.attention_backend, self.block_size = device, attention_backend, block_size
-        self.kv_cache = PagedKVCache(self.model.config, num_blocks, block_size, device, dtype)
+        self.kv_cache = PagedKVCache(self.model.config, num_blocks + 1, block_size, device, dtype)
+        self.scratch_slot = num_blocks * block_size  # where padding lanes write
         self.free_blocks = list(range(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}  # tokens of each sequence whose keys the draft holds
+        self.capture_sizes = capture_sizes(max_num_seqs)  # the ladder a pass is padded to
+        self.max_blocks = blocks_for(self.model.config.n_positions, block_size)  # block-table width
+        B = max(self.capture_sizes)
+        # the decode passes' persistent inputs, [B] each (block tables [B, max_blocks]); padding: position 0
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((B,), self.scratch_slot, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(B, dtype=torch.long, device=device)
+        self.tables = torch.full((B, self.max_blocks), num_blocks, dtype=torch.long, device=device)
+        self.lanes = torch.arange(B + 1, device=device)  # query offsets and logits rows of a decode pass
+        self.graph_runner: CUDAGraphRunner | None = None
 
     @torch.inference_mode()
     def propose_all(self, seqs: list[Sequence], ks: list[int]) -> None:
@@ -47,7 +73,7 @@ class DraftModelProposer:
             seq.spec_token_ids, seq.spec_probs = [], None
             table = self.block_tables.setdefault(seq.request_id, [])
             # its keys past the accepted tokens are stale: rejected drafts, or drafts never verified (dropped
-            # for want of room, or preempted); the pass starts at its last token, or earlier
+            # for want of room, or preempted); the step starts at its last token, or earlier
             self.num_computed[seq.request_id] = min(self.num_computed.get(seq.request_id, 0), len(seq) - 1)
             need = blocks_for(len(seq) + k - 1, self.block_size) - len(table)
             if k >= 1 and need <= len(self.free_blocks):
@@ -55,43 +81,117 @@ class DraftModelProposer:
                 lanes.append((seq, k))
         if not lanes:
             return
-        drafts: list[list[torch.Tensor]] = [[] for _ in lanes]  # per lane, k ids [1] on the device
-        probs: list[list[torch.Tensor]] = [[] for _ in lanes]
-        for j in range(max(k for _, k in lanes)):
-            now = [i for i, (_, k) in enumerate(lanes) if j < k]
-            logits = self.forward([lanes[i][0] for i in now], j, [drafts[i][-1] if j else None for i in now])
-            params = [lanes[i][0].params for i in now]
+        behind = [seq for seq, _ in lanes if len(seq) - self.num_computed[seq.request_id] > MAX_CATCH_UP]
+        if behind:
+            self.prefill(behind)
+        lane_seqs = [seq for seq, _ in lanes]
+        ks = np.array([k for _, k in lanes])
+        catch_up = max(len(seq) - self.num_computed[seq.request_id] for seq in lane_seqs)  # 1 or 2
+        plan, tables = self.plan(lane_seqs, ks, catch_up)
+        num_lanes = padded_size(self.capture_sizes, len(lanes))
+        self.tables[:num_lanes].copy_(tables)  # the step's copies from the host: its tables and its plan
+        plan = plan.to(self.device)  # [4, P, num_lanes]: positions, slots, seq_lens, catch-up input ids
+        params = [seq.params for seq in lane_seqs]
+        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
+        gens = [lane_seqs[i].generator for i in sampled]
+        drafts, probs = [], [[] for _ in lanes]  # the pass's ids [S] per draft; q rows [V] per lane
+        ids = None
+        for p in range(plan.shape[1]):
+            self.positions[:num_lanes].copy_(plan[0, p])
+            self.slot_mapping[:num_lanes].copy_(plan[1, p])
+            self.seq_lens[:num_lanes].copy_(plan[2, p])
+            if p < catch_up:
+                self.input_ids[:num_lanes].copy_(plan[3, p])
+            else:  # each lane's draft of the pass before
+                self.input_ids[: len(lanes)].copy_(ids)
+            logits = self.run(num_lanes)[: len(lanes)]  # [S, V]
+            j = p - catch_up + 2  # the draft this pass makes, 1..k (< 1: a catch-up pass before the last)
+            if j < 1:
+                continue
             warped = warp(logits, params)  # [S, V]
-            ids = warped.argmax(dim=-1)  # [S] greedy lanes' drafts
-            sampled = [r for r, p in enumerate(params) if not is_greedy(p)]
-            if sampled:
-                gens = [lanes[now[r]][0].generator for r in sampled]
-                ids[sampled] = exponential_race(warped, sampled, gens)
-                q = warped[sampled].softmax(dim=-1)  # [R, V] the law each sampled draft came from
-                for n, r in enumerate(sampled):
-                    probs[now[r]].append(q[n])
-            for r, i in enumerate(now):
-                drafts[i].append(ids[r : r + 1])
-        host = torch.cat([t for lane in drafts for t in lane]).tolist()  # the proposer's one wait
-        at = 0
-        for (seq, k), lane_probs in zip(lanes, probs):
-            seq.spec_token_ids, at = host[at : at + k], at + k
+            ids = warped.argmax(dim=-1)  # [S] the greedy lanes' drafts
+            now = [r for r in sampled if j <= ks[r]]
+            if now:
+                ids[now] = exponential_race(warped, now, [gens[sampled.index(r)] for r in now])
+                q = warped[now].softmax(dim=-1)  # [R, V] the law each sampled draft came from
+                for n, r in enumerate(now):
+                    probs[r].append(q[n])
+            drafts.append(ids)
+        host = torch.stack(drafts, dim=1).tolist()  # [S, max k]: the proposer's one wait
+        for (seq, k), row, lane_probs in zip(lanes, host, probs):
+            seq.spec_token_ids = row[:k]
             seq.spec_probs = torch.stack(lane_probs) if lane_probs else None  # [k, V]
             self.num_computed[seq.request_id] = len(seq) + k - 1  # d_k itself is never fed
 
-    def forward(self, seqs: list[Sequence], j: int, last: list[torch.Tensor | None]) -> torch.Tensor:
-        """Pass j over the sequences: j = 0, each one's tokens from what the draft holds to its last; j > 0,
-        its draft j (``last``, on the device) at position len + j - 1. Returns the logits [S, V] of each
-        lane's last token."""
+    def plan(self, seqs: list[Sequence], ks: np.ndarray, catch_up: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's decode passes, lane by lane: ``catch_up`` passes over each lane's last tokens (the
+        most any lane has not seen; a key the draft holds is computed again, the same), the last of them
+        drafting d1, then max(ks) - 1 passes over drafts 1 .. k - 1. Returns the plan [4, P, num_lanes]
+        int64 (position, slot, length after the pass, catch-up input id; a lane idle in a pass, past its k,
+        and a padding lane feed position 0 into the scratch slot) and the block tables [num_lanes,
+        max_blocks] (padding: the scratch block)."""
+        S, bs, C = len(seqs), self.block_size, catch_up
+        num_lanes, P = padded_size(self.capture_sizes, S), C + int(ks.max()) - 1
+        tables = np.full((num_lanes, self.max_blocks), self.scratch_slot // bs, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            t = self.block_tables[seq.request_id]
+            tables[i, : len(t)] = t
+        lengths = np.array([len(seq) for seq in seqs])  # [S]
+        offsets = np.arange(P)[:, None]  # [P, 1]
+        positions = lengths - C + offsets  # [P, S] catch-up: L - C .. L - 1, then drafts: L .. L + k - 2
+        active = offsets <= C + ks - 2  # [P, S] lanes past their k idle
+        plan = np.zeros((4, P, num_lanes), dtype=np.int64)
+        plan[0, :, :S] = np.where(active, positions, 0)
+        rows = np.broadcast_to(np.arange(S), (P, S))
+        blocks = tables[rows, plan[0, :, :S] // bs]
+        plan[1] = self.scratch_slot
+        plan[1, :, :S] = np.where(active, blocks * bs + plan[0, :, :S] % bs, self.scratch_slot)
+        plan[2] = 1
+        plan[2, :, :S] = plan[0, :, :S] + 1
+        for c in range(C):  # the catch-up passes' input ids, known on the host
+            plan[3, c, :S] = [seq.token_ids[x] for seq, x in zip(seqs, plan[0, c, :S])]
+        return torch.from_numpy(plan), torch.from_numpy(tables)
+
+    def run(self, num_lanes: int) -> torch.Tensor:
+        """One decode pass over the first ``num_lanes`` lanes of the buffers (a rung): its CUDA graph's
+        replay, or the same pass eagerly. Logits [num_lanes, V]."""
+        if self.graph_runner is not None:
+            return self.graph_runner.replay(num_lanes)
+        return self.decode_forward(num_lanes)
+
+    def decode_forward(self, num_lanes: int) -> torch.Tensor:
+        """The draft's forward pass of one token a lane over the persistent buffers, block tables at their
+        full width: the function ``capture_cudagraphs`` captures. [num_lanes, V]"""
+        seq_lens, tables = self.seq_lens[:num_lanes], self.tables[:num_lanes]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_lanes],
+            query_start_loc=list(range(num_lanes + 1)),
+            query_start_loc_t=self.lanes[: num_lanes + 1],
+            logits_indices=self.lanes[:num_lanes],
+            num_prefills=0,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            max_query_len=1,
+            attention_backend=self.attention_backend,
+            decode_mask=decode_attention_mask(
+                seq_lens, self.max_blocks * self.block_size, self.kv_cache.dtype
+            )
+            if self.attention_backend == "torch"
+            else None,
+        )
+        return self.model(self.input_ids[:num_lanes], self.positions[:num_lanes], self.kv_cache, meta)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """One eager pass over each sequence's tokens from what the draft holds to the one before its last
+        (every lane a prefill over cached context, step 9's path), so that a decode pass feeds its last."""
         bs, qsl, ids, pos, lens = self.block_size, [0], [], [], []
         for seq in seqs:
-            start = self.num_computed[seq.request_id] if j == 0 else len(seq) + j - 1
-            end = len(seq) + j  # the lane's length after this pass
+            start, end = self.num_computed[seq.request_id], len(seq) - 1
             pos += range(start, end)
-            if j == 0:
-                ids += seq.token_ids[start:end]
+            ids += seq.token_ids[start:end]
             qsl.append(len(pos))
             lens.append(end)
+            self.num_computed[seq.request_id] = end
         dev = self.device
         positions = torch.tensor(pos, dtype=torch.long)  # [N]
         width = max(len(self.block_tables[s.request_id]) for s in seqs)
@@ -100,14 +200,13 @@ class DraftModelProposer:
         )
         lane = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(qsl).diff())  # [N] each token's
         slots = tables[lane, positions // bs] * bs + positions % bs  # [N]
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev) if j == 0 else torch.cat(last)  # [N]
         starts = torch.tensor(qsl, dtype=torch.long).to(dev)
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev),
             query_start_loc=qsl,
             query_start_loc_t=starts,
             logits_indices=starts[1:] - 1,
-            num_prefills=len(seqs),  # every lane a prefill over cached context
+            num_prefills=len(seqs),
             seq_lens=torch.tensor(lens, dtype=torch.long).to(dev),
             block_tables=tables.to(dev),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
@@ -115,7 +214,19 @@ class DraftModelProposer:
             decode_mask=None,
             prefill_seq_lens=lens if self.attention_backend == "torch" else None,
         )
-        return self.model(input_ids, positions.to(dev), self.kv_cache, meta)  # [S, V]
+        self.model(torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), self.kv_cache, meta)
+
+    def capture_cudagraphs(self):
+        """Capture ``decode_forward`` at every rung (CUDA only): from now on every pass replays. Returns
+        the ``CaptureStats``."""
+        self.graph_runner = CUDAGraphRunner(
+            self.decode_forward,
+            self.capture_sizes,
+            self.model.config.vocab_size,
+            self.kv_cache.dtype,
+            self.device,
+        )
+        return self.graph_runner.capture()
 
     def release(self, seq_id: str) -> None:
         """A sequence has finished: its draft blocks go back."""

@@ -38,7 +38,7 @@ class LLMEngine:
     attention_backend: "triton" or "torch", as ``EngineArgs`` resolved it; the Triton kernels are compiled
     here, on a CUDA device, before the first request. Then, on a CUDA device and unless ``enforce_eager``,
     the decode step is captured in CUDA graphs (``ModelRunner.capture_cudagraphs``), with speculation the
-    uniform verification step too, printed on stderr.
+    uniform verification step and a draft model's decode passes too (draft_model.py), printed on stderr.
     enable_prefix_caching: full blocks of computed tokens stay in the cache for later requests with the
     same prefix (block_manager.py); off, every prompt is computed whole.
 
@@ -77,6 +77,7 @@ class LLMEngine:
                 self.attention_backend,
                 args.block_size,
                 args.num_kv_blocks,
+                args.max_num_seqs,
             )
         self.max_model_len = args.max_model_len  # tokens one request can reach, prompt included
         window, vocab = self.config.n_positions, self.config.vocab_size
@@ -99,16 +100,19 @@ class LLMEngine:
             scratch_block=args.num_kv_blocks,
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else 0,
         )
+        draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         if self.attention_backend == "triton" and self.device.type == "cuda":  # compile before any request
-            kernels.warm_up(
-                self.config.n_head, self.config.head_dim, args.block_size, self.dtype, self.device
-            )
-        # the decode step (and the uniform verification) in CUDA graphs, after the warm-up: no compiling in
-        # a capture
+            for config in [self.config] + ([draft.model.config] if draft else []):
+                kernels.warm_up(config.n_head, config.head_dim, args.block_size, self.dtype, self.device)
+        # the decode step (and the uniform verification, the draft's decode passes) in CUDA graphs, after
+        # the warm-up: no compiling in a capture
         if self.device.type == "cuda" and not args.enforce_eager:
-            for stats, what in zip(
-                self.model_runner.capture_cudagraphs(), ("batch sizes", "verification, tokens")
-            ):
+            captured = list(
+                zip(self.model_runner.capture_cudagraphs(), ("batch sizes", "verification, tokens"))
+            )
+            if draft:
+                captured.append((draft.capture_cudagraphs(), "draft model, batch sizes"))
+            for stats, what in captured:
                 print(
                     f"captured {len(stats.sizes)} CUDA graphs ({what} {', '.join(map(str, stats.sizes))}) "
                     f"in {stats.seconds:.2f} s, {stats.memory_bytes / 2**20:.0f} MiB of GPU memory",

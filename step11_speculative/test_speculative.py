@@ -507,6 +507,53 @@ def test_a_draft_model_keeps_the_greedy_output(demo_snapshot, plain, random_draf
     assert_no_block_held(llm)
 
 
+def test_the_draft_passes_propose_the_drafts_greedy_continuation(demo_snapshot, plain):
+    """The proposer alone, the demo drafting for itself, over 30 steps of 3-5 sequences of other lengths
+    and k (1-4; 0: none this step, its blocks given back), each step accepting a random number of the
+    drafts and the next true token: every draft equals the plain engine's greedy continuation of its
+    sequence, whether the draft caught up by one decode pass, two, or an eager prefill (a new sequence,
+    or one back after a step without drafts); the passes are padded to rungs (an idle lane writes the
+    scratch slot) and every block comes back."""
+    from .draft_model import DraftModelProposer
+    from .sequence import Sequence
+
+    engine = plain.engine
+    proposer = DraftModelProposer(demo_snapshot, "cpu", torch.float32, "torch", BLOCK, 160, 8)
+    truth = {}  # prompt index -> its greedy continuation by the plain engine, 60 tokens
+
+    def greedy(i: int) -> list[int]:
+        if i not in truth:
+            params = SamplingParams(max_tokens=60, temperature=0)
+            out = plain.generate(
+                prompt_token_ids=[engine.tokenizer.encode(PROMPTS[i])], sampling_params=params
+            )
+            truth[i] = engine.tokenizer.encode(PROMPTS[i]) + out[0].outputs[0].token_ids
+        return truth[i]
+
+    rng, seqs, gaps, widths = random.Random(0), {}, [], []
+    plan, run = proposer.plan, proposer.run
+    proposer.plan = lambda s, ks, c: (gaps.append(c), plan(s, ks, c))[1]
+    proposer.run = lambda n: (widths.append(n), run(n))[1]
+    for step in range(30):
+        for i in rng.sample(range(len(PROMPTS)), rng.randint(3, 5)):
+            if i not in seqs:
+                ids = greedy(i)[: len(engine.tokenizer.encode(PROMPTS[i])) + 1]
+                seqs[i] = Sequence(
+                    str(i), None, ids, SamplingParams(temperature=0), engine.tokenizer, 512, "cpu"
+                )
+        live = [i for i in seqs if len(seqs[i]) + 5 < len(greedy(i))]
+        ks = [rng.choice([0, 1, 2, 3, 4, 4, 4]) for _ in live]
+        proposer.propose_all([seqs[i] for i in live], ks)
+        for i, k in zip(live, ks):
+            seq, n = seqs[i], len(seqs[i])
+            assert seq.spec_token_ids == (greedy(i)[n : n + k] if k else []), (step, i, k)
+            accepted = rng.randint(0, k)
+            seq.token_ids += greedy(i)[n : n + accepted + 1]
+    assert set(gaps) == {1, 2} and widths and set(widths) <= {1, 2, 4, 8}
+    proposer.propose_all([], [])
+    assert len(proposer.free_blocks) == 160 and not proposer.block_tables
+
+
 def test_the_demo_draft_keeps_the_greedy_output_and_guesses_well(demo_snapshot, plain):
     """The shipped demo draft (demo/draft: demo/train.py at 2 layers, width 128, the demo's tokenizer) is
     accepted by check_draft for the demo checkpoint; greedy ids equal the plain engine's; and it guesses
@@ -622,4 +669,39 @@ def test_gpu_verification_replays_its_cuda_graph(demo_snapshot, batch):
     s = spec.stats
     assert replays and len(replays) == runner.num_uniform_verify_steps
     assert s.num_eager_verify_steps == 0 and s.spec_decode_num_accepted_tokens > 0
+    assert_no_block_held(spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 5])
+def test_gpu_draft_passes_replay_their_cuda_graphs(demo_snapshot, batch):
+    """fp32 on CUDA, the Triton backend, the demo drafting for itself: every decode pass of the draft
+    replays its rung's graph (none runs eagerly after the capture), the replayed logits of the real lanes
+    equal the eager pass's bit for bit, nearly every draft is accepted, and the greedy ids equal
+    speculation off."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    args = dict(model=str(demo_snapshot), device="cuda", multiprocessing=False)
+    config = {"method": "draft_model", "model": str(demo_snapshot), "num_speculative_tokens": 4}
+    spec = LLM(**args, speculative_config=config)
+    proposer = spec.engine.proposer
+    assert proposer.graph_runner.stats.sizes == proposer.capture_sizes
+    replays, eager = [], []
+    replay, decode_forward = proposer.graph_runner.replay, proposer.decode_forward
+
+    def spy(num_lanes: int) -> torch.Tensor:
+        logits = replay(num_lanes)  # [num_lanes, V]
+        scratch = proposer.scratch_slot // proposer.block_size  # the padding lanes' block
+        real = int((proposer.tables[:num_lanes, 0] != scratch).sum())
+        assert torch.equal(logits[:real], decode_forward(num_lanes)[:real])  # the same buffers, eagerly
+        replays.append(num_lanes)
+        return logits
+
+    proposer.graph_runner.replay = spy
+    proposer.decode_forward = lambda n: eager.append(n) or decode_forward(n)
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS[:batch], params)]
+    want = [o.outputs[0].token_ids for o in LLM(**args).generate(PROMPTS[:batch], params)]
+    assert got == want
+    assert replays and not eager and set(replays) <= set(proposer.capture_sizes)
+    assert spec.stats.spec_decode_acceptance_rate > 0.9
     assert_no_block_held(spec)

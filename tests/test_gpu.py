@@ -130,6 +130,23 @@ def test_step11_speculation_on_gpu_equals_no_speculation(demo_snapshot):
     assert llm.stats.spec_decode_acceptance_rate > 0.9
 
 
+def test_step12_draft_model_over_an_8_bit_target_pool(demo_snapshot):
+    """Step 12's draft model (its own pool in the model's dtype, its decode passes in CUDA graphs) drafting
+    for a target with an int8 pool: greedy ids equal the same int8 engine's without speculation (fp32), the
+    draft's passes replayed, nearly every draft of the demo drafting for itself accepted."""
+    step12 = importlib.import_module("step12_quantized_kv")
+    args = dict(model=str(demo_snapshot), device="cuda", block_size=4, kv_cache_dtype="int8")
+    params = step12.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    theirs = step12.LLM(**args).generate(PROMPTS, params)
+    draft = {"method": "draft_model", "model": str(demo_snapshot), "num_speculative_tokens": 4}
+    llm = step12.LLM(**args, speculative_config=draft, multiprocessing=False)
+    proposer = llm.engine.proposer
+    assert proposer.kv_cache.k[0].dtype == torch.float32 and proposer.graph_runner is not None
+    ours = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    assert llm.stats.spec_decode_acceptance_rate > 0.8 and llm.stats.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_step12_8_bit_kv_on_gpu(demo_snapshot, mode):
     """An 8-bit pool on CUDA (the Triton kernel dequantizing, decode replayed from CUDA graphs, async
