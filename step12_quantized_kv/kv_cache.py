@@ -50,8 +50,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """values [..., D] (8-bit) times scale [...] (their token-heads'), in ``dtype``: the kernel's arithmetic
-    (fp32 products), for the torch backend."""
-    return (values.float() * scale.float()[..., None]).to(dtype)
+    (fp32 products), for the torch backend; clamped to ``dtype``'s finite range (a float16 scale rounded up
+    would otherwise turn float16's largest value, 65504 = 127 x 515.78, into 127 x 516: inf)."""
+    top = torch.finfo(dtype).max
+    return (values.float() * scale.float()[..., None]).clamp_(-top, top).to(dtype)
 
 
 class PagedKVCache:

@@ -104,6 +104,16 @@ def test_one_huge_outlier_keeps_itself_and_costs_the_rest_resolution(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_float16s_largest_values_come_back_finite(mode):
+    """+-65504 (float16's largest) over a scale that float16 rounds up (65504 / 127 -> 516): back in
+    float16 they are themselves, not inf."""
+    x = torch.tensor([[[65504.0, -65504.0, 1.0, 0.0]]], dtype=torch.float16)
+    values, scale = quantize(x, DTYPES[mode])
+    back = dequantize(values, scale, torch.float16)
+    assert torch.isfinite(back).all() and back[0, 0, :2].tolist() == [65504.0, -65504.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_negative_maximum_maps_to_the_bottom_of_the_range(mode):
     x = torch.tensor([[[0.5, -3.0, 1.0, 2.9]]])
     values, scale = quantize(x, DTYPES[mode])
