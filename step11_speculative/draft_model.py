@@ -89,6 +89,7 @@ class DraftModelProposer:
         catch_up = max(len(seq) - self.num_computed[seq.request_id] for seq in lane_seqs)  # 1 or 2
         plan, tables = self.plan(lane_seqs, ks, catch_up)
         num_lanes = padded_size(self.capture_sizes, len(lanes))
+        width = max(len(self.block_tables[seq.request_id]) for seq in lane_seqs)  # blocks of the longest
         self.tables[:num_lanes].copy_(tables)  # the step's copies from the host: its tables and its plan
         plan = plan.to(self.device)  # [4, P, num_lanes]: positions, slots, seq_lens, catch-up input ids
         params = [seq.params for seq in lane_seqs]
@@ -104,7 +105,7 @@ class DraftModelProposer:
                 self.input_ids[:num_lanes].copy_(plan[3, p])
             else:  # each lane's draft of the pass before
                 self.input_ids[: len(lanes)].copy_(ids)
-            logits = self.run(num_lanes)[: len(lanes)]  # [S, V]
+            logits = self.run(num_lanes, width)[: len(lanes)]  # [S, V]
             j = p - catch_up + 2  # the draft this pass makes, 1..k (< 1: a catch-up pass before the last)
             if j < 1:
                 continue
@@ -152,17 +153,20 @@ class DraftModelProposer:
             plan[3, c, :S] = [seq.token_ids[x] for seq, x in zip(seqs, plan[0, c, :S])]
         return torch.from_numpy(plan), torch.from_numpy(tables)
 
-    def run(self, num_lanes: int) -> torch.Tensor:
+    def run(self, num_lanes: int, width: int) -> torch.Tensor:
         """One decode pass over the first ``num_lanes`` lanes of the buffers (a rung): its CUDA graph's
-        replay, or the same pass eagerly. Logits [num_lanes, V]."""
+        replay, or the same pass eagerly, its block tables cut to ``width`` blocks (the step's longest).
+        Logits [num_lanes, V]."""
         if self.graph_runner is not None:
             return self.graph_runner.replay(num_lanes)
-        return self.decode_forward(num_lanes)
+        return self.decode_forward(num_lanes, width)
 
-    def decode_forward(self, num_lanes: int) -> torch.Tensor:
-        """The draft's forward pass of one token a lane over the persistent buffers, block tables at their
-        full width: the function ``capture_cudagraphs`` captures. [num_lanes, V]"""
-        seq_lens, tables = self.seq_lens[:num_lanes], self.tables[:num_lanes]
+    def decode_forward(self, num_lanes: int, width: int | None = None) -> torch.Tensor:
+        """The draft's forward pass of one token a lane over the persistent buffers, block tables cut to
+        ``width`` blocks (None: their full width, the function ``capture_cudagraphs`` captures).
+        [num_lanes, V]"""
+        width = width or self.max_blocks
+        seq_lens, tables = self.seq_lens[:num_lanes], self.tables[:num_lanes, :width]
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_lanes],
             query_start_loc=list(range(num_lanes + 1)),
@@ -173,9 +177,7 @@ class DraftModelProposer:
             block_tables=tables,
             max_query_len=1,
             attention_backend=self.attention_backend,
-            decode_mask=decode_attention_mask(
-                seq_lens, self.max_blocks * self.block_size, self.kv_cache.dtype
-            )
+            decode_mask=decode_attention_mask(seq_lens, width * self.block_size, self.kv_cache.dtype)
             if self.attention_backend == "torch"
             else None,
         )

@@ -533,7 +533,7 @@ def test_the_draft_passes_propose_the_drafts_greedy_continuation(demo_snapshot, 
     rng, seqs, gaps, widths = random.Random(0), {}, [], []
     plan, run = proposer.plan, proposer.run
     proposer.plan = lambda s, ks, c: (gaps.append(c), plan(s, ks, c))[1]
-    proposer.run = lambda n: (widths.append(n), run(n))[1]
+    proposer.run = lambda n, w: (widths.append(n), run(n, w))[1]
     for step in range(30):
         for i in rng.sample(range(len(PROMPTS)), rng.randint(3, 5)):
             if i not in seqs:
@@ -698,7 +698,7 @@ def test_gpu_draft_passes_replay_their_cuda_graphs(demo_snapshot, batch):
         return logits
 
     proposer.graph_runner.replay = spy
-    proposer.decode_forward = lambda n: eager.append(n) or decode_forward(n)
+    proposer.decode_forward = lambda *args: eager.append(args) or decode_forward(*args)
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS[:batch], params)]
     want = [o.outputs[0].token_ids for o in LLM(**args).generate(PROMPTS[:batch], params)]
     assert got == want
