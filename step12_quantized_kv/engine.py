@@ -206,7 +206,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running (an aborted one's last output may still be due), or a
         step is in flight (the next ``step`` reads its tokens)."""
-        return bool(self.requests) or self.in_flight is not None
+        return bool(self.requests or self.aborted) or self.in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -565,6 +565,13 @@ def test_abort_ends_with_an_abort_output(llm):
     assert finals["drop"].finish_reason == "abort"
     assert finals["keep"].finish_reason == "length"
     assert finals["keep"].token_ids == llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    engine.add_request("last", PROMPTS[2], params)  # the only request, aborted: its output is still due
+    engine.step()
+    engine.abort_request("last")
+    assert engine.has_unfinished_requests()
+    finals = [out for _ in range(3) if engine.has_unfinished_requests() for out in engine.step()]
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in finals] == [("last", "abort")]
+    assert not engine.has_unfinished_requests()
 
 
 def test_logprobs_of_greedy_tokens_equal_log_softmax_of_hf_logits(llm, hf_demo):

@@ -156,7 +156,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running (an aborted one's last output may still be due)."""
-        return bool(self.requests)
+        return bool(self.requests or self.aborted)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -362,3 +362,18 @@ def test_gpu_decode_step_waits_only_on_its_events(demo_snapshot, monkeypatch):
                 torch.cuda.set_sync_debug_mode("default")
         assert not [w for w in caught if "called a synchronizing" in str(w.message)]
         assert len(event_waits) == 2 and len(outputs) == 3
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_the_last_request_aborted_still_gets_its_abort_output(ours, steps_before):
+    """The only request, aborted while waiting (no step in flight) or with a step in flight, keeps the
+    engine unfinished until a step has returned its final output (finish_reason "abort"), and only that."""
+    engine = ours.engine
+    engine.add_request("last", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(steps_before):
+        engine.step()
+    engine.abort_request("last")
+    assert engine.has_unfinished_requests()
+    finals = [o for _ in range(3) if engine.has_unfinished_requests() for o in engine.step() if o.finished]
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in finals] == [("last", "abort")]
+    assert not engine.has_unfinished_requests()
