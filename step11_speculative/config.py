@@ -210,6 +210,11 @@ class EngineArgs:
             raise ValueError(
                 f"block_size={self.block_size}: must be at most the context window ({window} tokens)"
             )
+        if self.speculative is not None and self.speculative.num_speculative_tokens >= window:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={self.speculative.num_speculative_tokens}: must "
+                f"be less than the context window ({window} tokens)"
+            )
 
         bytes_per_block = PagedKVCache.block_bytes(self.hf_config, self.block_size, self.torch_dtype)
         if self.kv_cache_memory is not None:

@@ -437,6 +437,7 @@ def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
     [
         ({"method": "medusa"}, "speculative_config.method"),
         ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"num_speculative_tokens": 512}, "speculative_config.num_speculative_tokens=512: must be less than"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
         ({"disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
         ({"num_speculative_token": 2}, "speculative_config.num_speculative_token"),
