@@ -4,7 +4,8 @@ Every step loads its model through this module, so that the steps differ only in
 teach. A *model spec* is one of:
 
 - ``"demo"``: the small checkpoint bundled with this repository (``demo/checkpoint``), so that
-  everything runs offline on a fresh machine;
+  everything runs offline on a fresh machine; ``"demo/draft"``: its bundled draft model (step 11), from
+  any working directory;
 - a Hugging Face Hub id (``"openai-community/gpt2"``) or one of the short aliases in ``MODEL_ALIASES``
   (``"gpt2"``, ``"gpt2-medium"``, ``"gpt2-large"``, ``"gpt2-xl"``, ``"distilgpt2"``), fetched once through
   ``huggingface_hub`` into its usual cache (only the files listed in ``SNAPSHOT_FILES``);
@@ -28,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CHECKPOINT = REPO_ROOT / "demo" / "checkpoint"
+BUNDLED = {"demo": DEMO_CHECKPOINT, "demo/draft": REPO_ROOT / "demo" / "draft"}  # spec -> its folder
 
 MODEL_ALIASES = {
     "gpt2": "openai-community/gpt2",
@@ -144,8 +146,8 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     model is not in the cache.
     """
     spec = str(spec)
-    if spec == "demo":
-        return _checked_folder(DEMO_CHECKPOINT, spec)
+    if spec in BUNDLED:
+        return _checked_folder(BUNDLED[spec], spec)
     local = Path(spec).expanduser()
     if local.is_dir():
         return _checked_folder(local, spec)

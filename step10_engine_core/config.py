@@ -101,7 +101,7 @@ class EngineArgs:
     dtype: str = engine_arg(
         "float32",
         "weights and activations",
-        (DTYPES.__contains__, f"one of {sorted(DTYPES)}"),
+        (tuple(DTYPES).__contains__, f"one of {sorted(DTYPES)}"),  # a tuple: an unhashable value is refused
         choices=sorted(DTYPES),
     )
     block_size: int = engine_arg(16, "tokens per KV-cache block", COUNT, type=int)

@@ -103,7 +103,7 @@ class EngineArgs:
     dtype: str = engine_arg(
         "float32",
         "weights and activations",
-        (DTYPES.__contains__, f"one of {sorted(DTYPES)}"),
+        (tuple(DTYPES).__contains__, f"one of {sorted(DTYPES)}"),  # a tuple: an unhashable value is refused
         choices=sorted(DTYPES),
     )
     block_size: int = engine_arg(16, "tokens per KV-cache block", COUNT, type=int)
@@ -115,7 +115,7 @@ class EngineArgs:
     )
     kv_cache_memory: int | None = engine_arg(
         None,
-        "KV-cache pool size in bytes, instead of --num-kv-blocks (default: unset)",
+        "KV-cache pool size in bytes (a draft model's pool included), instead of --num-kv-blocks",
         OPTIONAL_COUNT,
         type=int,
     )
@@ -217,6 +217,9 @@ class EngineArgs:
             )
 
         bytes_per_block = PagedKVCache.block_bytes(self.hf_config, self.block_size, self.torch_dtype)
+        if self.draft_folder is not None:  # the draft's pool: as many blocks, in the model's dtype
+            draft = load_config(self.draft_folder)
+            bytes_per_block += PagedKVCache.block_bytes(draft, self.block_size, self.torch_dtype)
         if self.kv_cache_memory is not None:
             if self.kv_cache_memory < bytes_per_block:
                 raise ValueError(

@@ -458,6 +458,24 @@ def test_speculation_refuses_async_scheduling(demo_snapshot):
     assert EngineArgs(model=str(demo_snapshot), speculative_config=NGRAM).async_scheduling is False
 
 
+def test_kv_cache_memory_counts_the_draft_models_pool(demo_snapshot):
+    """With a draft model, kv_cache_memory covers both pools (as many blocks each): 8 MiB give
+    floor(8 MiB / (target block + draft block)) blocks, and the two pools together fit in it."""
+    from common.weights import REPO_ROOT
+
+    from .kv_cache import PagedKVCache
+
+    budget = 8 * 2**20
+    config = {"method": "draft_model", "model": str(REPO_ROOT / "demo" / "draft")}
+    engine = LLMEngine(model=str(demo_snapshot), kv_cache_memory=budget, speculative_config=config)
+    target, draft = engine.config, engine.proposer.model.config
+    per_block = [PagedKVCache.block_bytes(c, engine.args.block_size, torch.float32) for c in (target, draft)]
+    assert engine.args.num_kv_blocks == budget // sum(per_block)
+    pools = [engine.kv_cache, engine.proposer.kv_cache]
+    held = sum(t.numel() * t.element_size() for pool in pools for t in pool.k + pool.v)
+    assert held - sum(per_block) <= budget  # the scratch blocks (one a pool) beside the budget's blocks
+
+
 def test_a_draft_model_with_another_tokenizer_is_refused(demo_snapshot, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(demo_snapshot, other)
@@ -473,8 +491,15 @@ def test_a_draft_model_with_another_tokenizer_is_refused(demo_snapshot, tmp_path
     (other / "merges.txt").write_text("#version: 0.2\n")
     with pytest.raises(ValueError, match="merges.txt differs"):
         EngineArgs(model=str(demo_snapshot), speculative_config=draft)
-    shutil.copy(demo_snapshot / "merges.txt", other / "merges.txt")
+    merges = (demo_snapshot / "merges.txt").read_text(encoding="utf-8")
+    (other / "merges.txt").write_bytes(merges.replace("\n", "\r\n").encode())  # the same merges, CRLF
+    vocab = json.loads((demo_snapshot / "vocab.json").read_text(encoding="utf-8"))
+    (other / "vocab.json").write_text(json.dumps(vocab, indent=2))  # the same mapping, laid out otherwise
     assert EngineArgs(model=str(demo_snapshot), speculative_config=draft).draft_folder == other
+    (other / "merges.txt").unlink()  # no tokenizer: named as the draft's field, not the target's model
+    with pytest.raises(ValueError, match=r"speculative_config\.model=.*merges\.txt"):
+        EngineArgs(model=str(demo_snapshot), speculative_config=draft)
+    assert EngineArgs(model=str(demo_snapshot), speculative_config="null").speculative is None
 
 
 @pytest.fixture(scope="module")

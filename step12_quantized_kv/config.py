@@ -117,7 +117,7 @@ class EngineArgs:
     dtype: str = engine_arg(
         "float32",
         "weights and activations",
-        (DTYPES.__contains__, f"one of {sorted(DTYPES)}"),
+        (tuple(DTYPES).__contains__, f"one of {sorted(DTYPES)}"),  # a tuple: an unhashable value is refused
         choices=sorted(DTYPES),
     )
     block_size: int = engine_arg(16, "tokens per KV-cache block", COUNT, type=int)
@@ -129,7 +129,7 @@ class EngineArgs:
     )
     kv_cache_memory: int | None = engine_arg(
         None,
-        "KV-cache pool size in bytes, instead of --num-kv-blocks (default: unset)",
+        "KV-cache pool size in bytes (a draft model's pool included), instead of --num-kv-blocks",
         OPTIONAL_COUNT,
         type=int,
     )
@@ -138,7 +138,7 @@ class EngineArgs:
         "KV-cache storage: auto = the model's dtype; int8 (symmetric) or fp8 / fp8_e4m3 (e4m3): 8 bits "
         "with a float16 scale per token and head, set when the token is written (a draft model's cache "
         "stays in the model's dtype)",
-        (KV_CACHE_DTYPES.__contains__, f"one of {list(KV_CACHE_DTYPES)}"),
+        (tuple(KV_CACHE_DTYPES).__contains__, f"one of {list(KV_CACHE_DTYPES)}"),
         choices=list(KV_CACHE_DTYPES),
     )
     max_num_seqs: int = engine_arg(8, "most requests running at once", COUNT, type=int)
@@ -242,6 +242,9 @@ class EngineArgs:
         bytes_per_block = PagedKVCache.block_bytes(
             self.hf_config, self.block_size, self.torch_dtype, self.kv_cache_dtype
         )
+        if self.draft_folder is not None:  # the draft's pool: as many blocks, in the model's dtype
+            draft = load_config(self.draft_folder)
+            bytes_per_block += PagedKVCache.block_bytes(draft, self.block_size, self.torch_dtype)
         if self.kv_cache_memory is not None:
             if self.kv_cache_memory < bytes_per_block:
                 raise ValueError(

@@ -47,6 +47,8 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config={value!r}: not JSON ({e})") from None
+            if value is None:  # JSON's null: off
+                return None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config={value!r}: must be a dict, its JSON text, or None")
         known = {f.name for f in fields(cls)}
@@ -82,10 +84,14 @@ class SpeculativeConfig:
 def check_draft(model: str, target_folder, target: GPT2Config):
     """The snapshot folder of a draft model for the target in ``target_folder`` (config ``target``).
     Raises ValueError if its vocabulary or tokenizer (vocab.json, merges.txt) differs from the target's,
-    since the target judges the draft's token ids as its own, or if its window is shorter;
-    ConnectionError if a Hub draft cannot be fetched."""
-    folder = resolve_model(model)
-    draft = load_config(folder)
+    since the target judges the draft's token ids as its own, or if its window is shorter, or if it is
+    no GPT-2 snapshot (each message naming speculative_config.model); ConnectionError if a Hub draft cannot
+    be fetched."""
+    try:
+        folder = resolve_model(model)
+        draft = load_config(folder)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model={model!r}: {e}") from None
     vocab_size, target_vocab_size = draft.vocab_size, target.vocab_size
     if vocab_size != target_vocab_size:
         raise ValueError(
@@ -93,7 +99,7 @@ def check_draft(model: str, target_folder, target: GPT2Config):
             f"{target_vocab_size}: a draft must share the target's tokenizer"
         )
     for name in ("vocab.json", "merges.txt"):
-        if (folder / name).read_bytes() != (target_folder / name).read_bytes():
+        if _tokenizer_file(folder / name) != _tokenizer_file(target_folder / name):
             raise ValueError(
                 f"speculative_config.model={model!r}: its {name} differs from the target's: a draft must "
                 "share the target's tokenizer"
@@ -104,6 +110,15 @@ def check_draft(model: str, target_folder, target: GPT2Config):
             f"the target's ({target.n_positions})"
         )
     return folder
+
+
+def _tokenizer_file(path) -> object:
+    """What a tokenizer file says: vocab.json's mapping, merges.txt's merges (line endings, trailing spaces
+    and its "#version" line aside), so that the same tokenizer saved otherwise compares equal."""
+    text = path.read_text(encoding="utf-8")
+    if path.name == "vocab.json":
+        return json.loads(text)
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#version")]
 
 
 @dataclass

@@ -359,6 +359,8 @@ def test_bad_model_device_dtype(tmp_path):
         with pytest.raises(ValueError) as error:
             make(model=nowhere, dtype="float8")
         assert str(error.value) == "dtype='float8': must be one of ['bfloat16', 'float16', 'float32']"
+    with pytest.raises(ValueError, match=r"dtype=\['float32'\]: must be one of"):  # unhashable: no TypeError
+        EngineArgs(model=nowhere, dtype=["float32"])
     with pytest.raises(ValueError, match="device='toaster'"):
         LLM(device="toaster")
     with pytest.raises(ValueError, match="no such folder"):

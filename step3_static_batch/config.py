@@ -67,7 +67,7 @@ class EngineArgs:
     dtype: str = engine_arg(
         "float32",
         "weights and activations",
-        (DTYPES.__contains__, f"one of {sorted(DTYPES)}"),
+        (tuple(DTYPES).__contains__, f"one of {sorted(DTYPES)}"),  # a tuple: an unhashable value is refused
         choices=sorted(DTYPES),
     )
     max_batch_size: int = engine_arg(8, "most requests decoded together", COUNT, type=int)

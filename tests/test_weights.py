@@ -11,9 +11,11 @@ from common import weights
 from common.weights import DEMO_CHECKPOINT, GPT2Config, load_config, resolve_model
 
 
-def test_demo_and_local_folder_resolve(tiny_snapshot):
+def test_demo_and_local_folder_resolve(tiny_snapshot, tmp_path, monkeypatch):
     assert resolve_model("demo") == DEMO_CHECKPOINT
     assert resolve_model(str(tiny_snapshot)) == tiny_snapshot
+    monkeypatch.chdir(tmp_path)  # the bundled draft by its name from any folder, not only the repository's
+    assert resolve_model("demo/draft") == DEMO_CHECKPOINT.parent / "draft"
 
 
 def test_config_is_read(tiny_snapshot, demo_snapshot):
