@@ -120,6 +120,8 @@ class LLM:
 
     def _stop(self, request_id: str) -> None:
         self.engine.abort_request(request_id)  # nothing happens if it has finished
+        # its final output ("abort") was for this call, which reads no more: not due to anyone
+        self.engine.aborted = [out for out in self.engine.aborted if out.request_id != request_id]
         self._outputs.pop(request_id, None)
 
     def _make_sequences(self, prompts, sampling_params, prompt_token_ids, output_kind) -> list[Sequence]:
