@@ -88,13 +88,12 @@ class DraftModelProposer:
         ks = np.array([k for _, k in lanes])
         catch_up = max(len(seq) - self.num_computed[seq.request_id] for seq in lane_seqs)  # 1 or 2
         plan, tables = self.plan(lane_seqs, ks, catch_up)
-        num_lanes = padded_size(self.capture_sizes, len(lanes))
+        num_lanes = len(tables)  # the rung the step's lanes are padded to
         width = max(len(self.block_tables[seq.request_id]) for seq in lane_seqs)  # blocks of the longest
         self.tables[:num_lanes].copy_(tables)  # the step's copies from the host: its tables and its plan
         plan = plan.to(self.device)  # [4, P, num_lanes]: positions, slots, seq_lens, catch-up input ids
         params = [seq.params for seq in lane_seqs]
         sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-        gens = [lane_seqs[i].generator for i in sampled]
         drafts, probs = [], [[] for _ in lanes]  # the pass's ids [S] per draft; q rows [V] per lane
         ids = None
         for p in range(plan.shape[1]):
@@ -113,7 +112,7 @@ class DraftModelProposer:
             ids = warped.argmax(dim=-1)  # [S] the greedy lanes' drafts
             now = [r for r in sampled if j <= ks[r]]
             if now:
-                ids[now] = exponential_race(warped, now, [gens[sampled.index(r)] for r in now])
+                ids[now] = exponential_race(warped, now, [lane_seqs[r].generator for r in now])
                 q = warped[now].softmax(dim=-1)  # [R, V] the law each sampled draft came from
                 for n, r in enumerate(now):
                     probs[r].append(q[n])
