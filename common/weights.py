@@ -149,7 +149,7 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     if spec in BUNDLED:
         return _checked_folder(BUNDLED[spec], spec)
     local = Path(spec).expanduser()
-    if local.is_dir():
+    if local.is_dir() and spec.strip():  # "" would be the current folder
         return _checked_folder(local, spec)
     if local.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not spec.strip():
         raise ValueError(

@@ -41,7 +41,10 @@ class DraftModelProposer:
         num_blocks: int,
         max_num_seqs: int,
     ):
-        self.model = GPT.from_pretrained(str(folder), device=device, dtype=dtype)
+        try:
+            self.model = GPT.from_pretrained(str(folder), device=device, dtype=dtype)
+        except ValueError as e:  # weights that do not match its config.json, a damaged file
+            raise ValueError(f"speculative_config.model (the draft in {folder}): {e}") from None
         self.device, self.attention_backend, self.block_size = device, attention_backend, block_size
         self.kv_cache = PagedKVCache(self.model.config, num_blocks + 1, block_size, device, dtype)
         self.scratch_slot = num_blocks * block_size  # where padding lanes write

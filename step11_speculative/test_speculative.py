@@ -443,6 +443,7 @@ def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
         ({"num_speculative_token": 2}, "speculative_config.num_speculative_token"),
         ({"method": "draft_model"}, "speculative_config.model"),
         ({"model": "demo"}, "speculative_config.model"),
+        ({"method": "draft_model", "model": ""}, "speculative_config.model='': model '': no such folder"),
         ("{not json", "speculative_config="),
         ([1], "speculative_config="),
     ],
@@ -500,6 +501,30 @@ def test_a_draft_model_with_another_tokenizer_is_refused(demo_snapshot, tmp_path
     with pytest.raises(ValueError, match=r"speculative_config\.model=.*merges\.txt"):
         EngineArgs(model=str(demo_snapshot), speculative_config=draft)
     assert EngineArgs(model=str(demo_snapshot), speculative_config="null").speculative is None
+
+
+def test_a_draft_that_cannot_be_had_or_loaded_is_named(demo_snapshot, tmp_path, monkeypatch):
+    """A Hub draft that cannot be fetched is a ConnectionError, weights that do not fit the draft's
+    config.json a ValueError: both name speculative_config.model, not the target's model."""
+    from common.weights import REPO_ROOT
+
+    from . import spec_decode
+
+    draft = tmp_path / "draft"
+    shutil.copytree(REPO_ROOT / "demo" / "draft", draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "n_embd": 2 * config["n_embd"]}))
+    with pytest.raises(ValueError, match=r"speculative_config\.model \(the draft in .*draft\): .*shape"):
+        LLMEngine(model=str(demo_snapshot), speculative_config={"method": "draft_model", "model": str(draft)})
+
+    def offline(spec):
+        raise ConnectionError(f"model {spec!r}: the Hugging Face Hub could not be reached")
+
+    monkeypatch.setattr(spec_decode, "resolve_model", offline)
+    with pytest.raises(ConnectionError, match=r"speculative_config\.model='someone/draft': model"):
+        EngineArgs(
+            model=str(demo_snapshot), speculative_config={"method": "draft_model", "model": "someone/draft"}
+        )
 
 
 @pytest.fixture(scope="module")

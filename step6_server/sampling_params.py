@@ -53,7 +53,7 @@ class SamplingParams:
         ``logprobs`` most likely tokens (0..5), from the distribution it was sampled from (``sampler.py``).
     stop: strings that end generation when they appear in the output text; not included in the text
         (a string, a list of strings, or None).
-    stop_token_ids: token ids that end generation (kept in token_ids, not in the text).
+    stop_token_ids: token ids that end generation (kept in token_ids and in the text, unlike stop strings).
     ignore_eos: keep generating after <|endoftext|> (for benchmarks).
     seed: seed of this request's own random generator, in [-2**63, 2**64); None = nondeterministic.
         A seeded request draws only from its own generator, so it gives the same tokens on the same
