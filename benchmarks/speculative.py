@@ -58,7 +58,8 @@ OPENINGS = [
 NGRAM_DEFAULT = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
 ENGINES = {
     "off": "step11_speculative.LLM(max_num_seqs=B): no speculation (step 10's path; async on CUDA)",
-    "ngram": f"step11_speculative.LLM(max_num_seqs=B, speculative_config={NGRAM}) (async scheduling off)",
+    "ngram": f"step11_speculative.LLM(max_num_seqs=B, speculative_config={NGRAM}) (steps that draft run "
+    "serially)",
     "ngram_default": f"step11_speculative.LLM(max_num_seqs=B, speculative_config={NGRAM_DEFAULT}): the "
     "default disable_by_batch_size, at B >= it only",
     "draft": "step11_speculative.LLM(max_num_seqs=B, speculative_config={'method': 'draft_model', 'model': "

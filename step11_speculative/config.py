@@ -166,7 +166,7 @@ class EngineArgs:
         "speculative decoding, vLLM's fields as JSON: method ('ngram' or 'draft_model'), "
         "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model (the draft), "
         "disable_by_batch_size (no drafts while this many requests run or wait, up to max_num_seqs; default "
-        "128; null: always); async scheduling off",
+        "128; null: always); steps that speculate run without async scheduling's overlap",
         (lambda value: value is None or isinstance(value, (dict, str)), "a dict, its JSON text, or None"),
         type=str,
     )
@@ -188,13 +188,8 @@ class EngineArgs:
         self.torch_dtype = DTYPES[self.dtype]
         self.torch_device = check_device(self.device)
         self.speculative = SpeculativeConfig.make(self.speculative_config)
-        if self.speculative is not None and self.async_scheduling:
-            raise ValueError(
-                "async_scheduling=True, speculative_config: speculation needs each step's accepted tokens "
-                "before the next step is scheduled; leave async_scheduling unset or False"
-            )
         if self.async_scheduling is None:
-            self.async_scheduling = self.torch_device.type == "cuda" and self.speculative is None
+            self.async_scheduling = self.torch_device.type == "cuda"
         if self.multiprocessing is None:
             self.multiprocessing = MULTIPROCESSING_ON_CUDA and self.torch_device.type == "cuda"
         self.attention_backend = choose_attention_backend(

@@ -453,10 +453,41 @@ def test_a_bad_config_is_refused_naming_the_field(demo_snapshot, config, named):
         EngineArgs(model=str(demo_snapshot), speculative_config=config)
 
 
-def test_speculation_refuses_async_scheduling(demo_snapshot):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineArgs(model=str(demo_snapshot), speculative_config=NGRAM, async_scheduling=True)
-    assert EngineArgs(model=str(demo_snapshot), speculative_config=NGRAM).async_scheduling is False
+@pytest.mark.parametrize("draft", [None, "demo/draft"])
+def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(demo_snapshot, plain, draft):
+    """With async scheduling on, steps of a batch of disable_by_batch_size or more run overlapped (a step
+    left in flight when step() returns), and once the batch shrinks below it the steps drain the one in
+    flight and verify drafts serially: 6 requests of 4 to 39 tokens, a threshold of 3. Greedy ids equal
+    speculation off, with prompt lookup and with the demo's draft model."""
+    config = {**NGRAM, "disable_by_batch_size": 3}
+    if draft:
+        config = {
+            "method": "draft_model",
+            "model": draft,
+            "num_speculative_tokens": 3,
+            "disable_by_batch_size": 3,
+        }
+    engine = LLMEngine(
+        model=str(demo_snapshot), block_size=BLOCK, async_scheduling=True, speculative_config=config
+    )
+    assert engine.async_scheduling
+    got, overlapped, drafted = {}, 0, []
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=4 + 7 * i, temperature=0))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got.setdefault(int(o.request_id), []).extend(o.new_token_ids)
+        overlapped += engine.in_flight is not None
+        drafted.append(engine.stats.spec_decode_num_drafts)
+    want = [
+        o.outputs[0].token_ids
+        for o in plain.generate(
+            PROMPTS, [SamplingParams(max_tokens=4 + 7 * i, temperature=0) for i in range(len(PROMPTS))]
+        )
+    ]
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert overlapped > 0 and drafted[-1] > 0  # both kinds of step ran
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_kv_cache_memory_counts_the_draft_models_pool(demo_snapshot):

@@ -44,8 +44,9 @@ class LLMEngine:
 
     async_scheduling: overlap the host's work with the GPU's (the module's docstring): True, False, or None
     (on for a CUDA device); with False every step waits for its own tokens, as in step 7.
-    speculative_config: drafts verified in one pass (spec_decode.py, rejection_sampler.py); it needs each
-    step's accepted tokens before the next is scheduled, so it runs with async scheduling off.
+    speculative_config: drafts verified in one pass (spec_decode.py, rejection_sampler.py); a step that
+    may speculate needs the accepted tokens of the step before, so it runs serially (async scheduling
+    resumes while ``disable_by_batch_size`` turns drafting off).
 
     A request whose prompt and max_tokens do not fit in max_model_len (the context window, or the pool's
     tokens if fewer) is refused when it is made (``Processor.check_length``), as one that would pass the
@@ -226,10 +227,14 @@ class LLMEngine:
         flight.
         """
         outputs, self.aborted = self.aborted, []
-        if self.in_flight is not None and any(uses_penalty(seq.params) for seq in self.in_flight.seqs):
-            outputs += self.process_outputs(self.in_flight)  # a penalty needs every token on the host
+        speculating = self.speculating()
+        if self.in_flight is not None and (
+            speculating or any(uses_penalty(seq.params) for seq in self.in_flight.seqs)
+        ):  # drafts (and a penalty) need every token on the host
+            outputs += self.process_outputs(self.in_flight)
             self.in_flight = None
-        self.propose()
+        if speculating:
+            self.propose()
         with self.placeholders():  # the in-flight tokens count in their sequences' lengths
             scheduled = self.scheduler.schedule()
             # copy-on-write: a shared block is copied before this step writes into it
@@ -240,10 +245,20 @@ class LLMEngine:
         previous, self.in_flight = self.in_flight, launched
         if previous is not None:  # the GPU runs the step just launched meanwhile
             outputs += self.process_outputs(previous)
-        if not self.async_scheduling and self.in_flight is not None:  # serial: wait for this step's tokens
+        if (not self.async_scheduling or speculating) and self.in_flight is not None:  # serial: wait for them
             outputs += self.process_outputs(self.in_flight)
             self.in_flight = None
         return outputs
+
+    def speculating(self) -> bool:
+        """Whether this step drafts: speculation is on and the batch it would run (running and waiting
+        requests, up to max_num_seqs: drafts take the token budget that admits the waiting) is below
+        ``disable_by_batch_size``."""
+        spec, scheduler = self.speculative, self.scheduler
+        if spec is None:
+            return False
+        batch = min(len(scheduler.running) + len(scheduler.waiting), scheduler.max_num_seqs)
+        return spec.disable_by_batch_size is None or batch < spec.disable_by_batch_size
 
     def propose(self) -> None:
         """Draft the next tokens of every running sequence that may speculate (spec_decode.py): k, or fewer
@@ -251,12 +266,6 @@ class LLMEngine:
         a sequence's max_tokens: what passes it is verified and dropped (``Sequence.append`` ends the
         sequence there), so that a step near the end of a request stays uniform (a CUDA graph)."""
         spec, running = self.speculative, self.scheduler.running
-        if spec is None:
-            return
-        # the batch this step would run if drafts did not take the budget that admits waiting requests
-        batch = min(len(running) + len(self.scheduler.waiting), self.scheduler.max_num_seqs)
-        if spec.disable_by_batch_size is not None and batch >= spec.disable_by_batch_size:
-            return
         seqs = [seq for seq in running if seq.params.logprobs is None and not uses_penalty(seq.params)]
         ks = [min(spec.num_speculative_tokens, self.max_model_len - len(seq) - 1) for seq in seqs]
         self.proposer.propose_all(seqs, ks)
