@@ -164,6 +164,7 @@ def build_app(
             yield
         finally:
             await bridge.shutdown()
+            gc.unfreeze()  # so that exit frees it (else triton's bindings report each object as leaked)
 
     app = FastAPI(
         title=__package__,
