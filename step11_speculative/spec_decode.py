@@ -25,9 +25,9 @@ METHODS = ("ngram", "draft_model")
 class SpeculativeConfig:
     """What to speculate with (vLLM's names). method: "ngram" (prompt lookup) or "draft_model";
     num_speculative_tokens: k, the guesses verified per step; prompt_lookup_min / prompt_lookup_max: the
-    n-gram lengths tried, longest first; model: the draft model ("draft_model"); disable_by_batch_size: no
-    speculation while the batch, the running and waiting requests up to max_num_seqs, is at least this
-    (None: always; 128 by default, measured: the README's numbers).
+    n-gram lengths tried, longest first ("ngram" only); model: the draft model ("draft_model" only);
+    disable_by_batch_size: no speculation while the batch, the running and waiting requests up to
+    max_num_seqs, is at least this (None: always; 128 by default, measured: the README's numbers).
     Sampled tokens keep the target's distribution, but a seeded request's tokens depend on which of its
     steps verified drafts, which the batch can decide (this limit; drafts cut by the token budget or the
     free blocks): the same seed gives the same tokens for the same requests, not under any load."""
@@ -58,6 +58,8 @@ class SpeculativeConfig:
         for name in value:
             if name not in known:
                 raise ValueError(f"speculative_config.{name}: unknown field (known: {sorted(known)})")
+            if name.startswith("prompt_lookup") and value.get("method") == "draft_model":
+                raise ValueError(f"speculative_config.{name}: for method 'ngram' only (not a draft's)")
         config = cls(**value)
         config.check()
         return config

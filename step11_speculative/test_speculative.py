@@ -443,6 +443,7 @@ def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
         ({"num_speculative_token": 2}, "speculative_config.num_speculative_token"),
         ({"method": "draft_model"}, "speculative_config.model"),
         ({"model": "demo"}, "speculative_config.model"),
+        ({"method": "draft_model", "model": "demo/draft", "prompt_lookup_min": 2}, "prompt_lookup_min: for"),
         ({"method": "draft_model", "model": ""}, "speculative_config.model='': model '': no such folder"),
         ("{not json", "speculative_config="),
         ([1], "speculative_config="),
