@@ -58,7 +58,7 @@ class SpeculativeConfig:
         for name in value:
             if name not in known:
                 raise ValueError(f"speculative_config.{name}: unknown field (known: {sorted(known)})")
-            if name.startswith("prompt_lookup") and value.get("method") == "draft_model":
+            if name in ("prompt_lookup_min", "prompt_lookup_max") and value.get("method") == "draft_model":
                 raise ValueError(f"speculative_config.{name}: for method 'ngram' only (not a draft's)")
         config = cls(**value)
         config.check()
