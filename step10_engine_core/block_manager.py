@@ -6,6 +6,7 @@ whenever its next token starts a new block, and gives them all back when it fini
 is preempted. Nothing here touches tensors; the pool itself is ``PagedKVCache``.
 Shared blocks (vLLM's prefix caching): a written full block is registered under a hash chained over its
 prefix and stays cached when freed, until evicted; a new sequence takes its prompt's cached leading blocks.
+A block is hashed when a lookup first reaches it, so a request that shares nothing hashes one block only.
 The n choices of a prompt share its blocks by fork; the first to write into the shared last block copies it.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .sequence import Sequence
 
@@ -25,7 +27,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """The chained hash of a full block: Python's hash of its parent's (None for a first block) and its
     token ids. Not collision-resistant, nor need it be: it only finds a candidate, which a hit confirms
-    on the block's tokens and parent (``_extend``), so a collision costs a hit, never a wrong one."""
+    on the block's tokens and parent (``_registered``), so a collision costs a hit, never a wrong one."""
     return hash((parent_hash, token_ids))
 
 
@@ -33,7 +35,8 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class Block:
     """One block of the pool. ref_count: the sequences holding it (0: in the free queue). Set while the
     block is registered in the cache: block_hash, token_ids, registration (a number no other registration
-    has), parent (the registration of the block before it in its chain; 0 for a prompt's first block)."""
+    has), parent (the registration of the block before it in its chain; 0 for a prompt's first block).
+    taken: when ``_pop_free`` last handed it out to be written (``BlockManager.num_taken`` then)."""
 
     block_id: int
     ref_count: int = 0
@@ -41,6 +44,19 @@ class Block:
     token_ids: tuple[int, ...] = ()
     registration: int = 0
     parent: int = 0
+    taken: int = 0
+
+
+class Unhashed(NamedTuple):
+    """Written full blocks of a sequence that wait to be hashed (a run): its blocks ``first``, ``first`` + 1,
+    ... (``block_ids``), its ``token_ids`` up to their end, its ``block_hashes`` (where their hashes go),
+    ``filed``: ``num_taken`` when the run was filed. A block handed out again since ends the run."""
+
+    block_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    block_hashes: list[int]
+    first: int
+    filed: int
 
 
 class BlockManager:
@@ -49,10 +65,12 @@ class BlockManager:
 
     free_blocks: the ids of blocks nobody holds, least recently freed first (the eviction order); a cached
     one keeps its hash until it is handed out. cached_blocks: block hash -> the block registered under it.
+    unhashed: registration -> the runs of written blocks that follow that block, not hashed yet.
     block_tables[seq_id]: a sequence's blocks, in position order. chains[seq_id]: the registrations of its
-    leading full blocks, as far as registered or found. num_queried_tokens, num_hit_tokens: prompt tokens
-    of the sequences admitted (at their first admission) and of them those found cached (vLLM's queries and
-    hits). ``allocate`` raises RuntimeError when the free blocks do not suffice (see ``can_allocate``).
+    leading full blocks, as far as found at its admission or registered at once (its first).
+    num_queried_tokens, num_hit_tokens: prompt tokens of the sequences admitted (at their first admission)
+    and of them those found cached (vLLM's queries and hits). ``allocate`` raises RuntimeError when the
+    free blocks do not suffice (see ``can_allocate``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -62,9 +80,11 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}
+        self.unhashed: dict[int, tuple[Unhashed, ...]] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.chains: dict[str, list[int]] = {}
         self.num_registrations = 0
+        self.num_taken = 0  # blocks handed out by _pop_free so far
         self.copy_on_write: set[str] = set()  # sequences whose partly filled last block others share
         self.blocks_to_copy: dict[str, tuple[int, int]] = {}  # append's copies-on-write, until taken
         self.num_queried_tokens = 0
@@ -84,7 +104,16 @@ class BlockManager:
         still gets its logits (vLLM's rule; nano-vllm issue #144)."""
         if not self.enable_prefix_caching:
             return []
-        return self._extend(seq, [], (len(seq) - 1) // self.block_size)
+        found, parent = [], 0  # parent: the registration of the block before (0: none)
+        for j in range((len(seq) - 1) // self.block_size):
+            for run in self.unhashed.pop(parent, ()):  # written blocks after it wait: hashed now
+                self._hash_run(run, parent)
+            block = self._registered(*self._hash(seq.token_ids, seq.block_hashes, j), parent)
+            if block is None:
+                break
+            found.append(block.block_id)
+            parent = block.registration
+        return found
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
         """Whether the sequence fits, given its cached leading blocks ``cached``: its other blocks come out
@@ -153,14 +182,21 @@ class BlockManager:
         return True
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Register the full blocks among the sequence's first ``num_tokens`` tokens, which the caller knows
-        a launched step has written (a later step reads them after it, on the same stream), extending its
-        chain. A block found registered (another sequence computed it too) stays so, and the chain goes on
-        from it; another chain's block under the same hash (a collision) is replaced."""
-        if not self.enable_prefix_caching:
+        """Cache the full blocks among the sequence's first ``num_tokens`` tokens, which the caller knows a
+        launched step has written (a later step reads them after it, on the same stream). Hashing is the
+        cost, and most blocks are never looked up: its first block is registered now, where every lookup
+        starts; the rest wait in ``unhashed`` under its chain's last registration, to be registered when a
+        lookup reaches that block (``find_cached_blocks``)."""
+        chain, n = self.chains[seq.request_id], num_tokens // self.block_size
+        if not self.enable_prefix_caching or len(chain) >= n:
             return
         table = self.block_tables[seq.request_id]
-        self._extend(seq, self.chains[seq.request_id], num_tokens // self.block_size, table)
+        if not chain:
+            chain.append(self._register(table[0], *self._hash(seq.token_ids, seq.block_hashes, 0), 0))
+        if len(chain) < n:
+            tokens = tuple(seq.token_ids[: n * self.block_size])
+            run = Unhashed(tuple(table[len(chain) : n]), tokens, seq.block_hashes, len(chain), self.num_taken)
+            self.unhashed[chain[-1]] = self.unhashed.get(chain[-1], ()) + (run,)
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's reference to each of its blocks (finished, aborted or preempted); a block
@@ -175,35 +211,44 @@ class BlockManager:
         self.chains.pop(seq_id)
         self.copy_on_write.discard(seq_id)
 
-    def _extend(self, seq: Sequence, chain: list[int], n: int, table: list[int] | None = None) -> list[int]:
-        """Extend ``chain`` (registrations) over the sequence's first ``n`` full blocks, each found
-        in the cache or, given the sequence's block ``table``, its own block registered (without, the walk
-        stops at the first not found); returns the ids of those blocks. Each block is hashed once (kept in
-        ``seq.block_hashes``), and a block found under its hash counts only if it holds these tokens after
-        the chain's last registration: by induction the whole prefix is confirmed, not only the hash."""
-        cached, blocks, hashes, token_ids = self.cached_blocks, self.blocks, seq.block_hashes, seq.token_ids
-        size, found = self.block_size, []
-        parent = chain[-1] if chain else 0  # the registration before block j (0: a first block)
-        for j in range(len(chain), n):
-            tokens = tuple(token_ids[j * size : (j + 1) * size])
-            if j == len(hashes):
-                hashes.append(hash_block(hashes[-1] if j else None, tokens))
-            block_hash = hashes[j]
-            block = None if (block_id := cached.get(block_hash)) is None else blocks[block_id]
-            if block is None or block.parent != parent or block.token_ids != tokens:
-                if table is None:
-                    break
-                if block is not None:  # another chain's block under this hash (a collision): replaced
-                    block.block_hash = None
-                block = blocks[block_id := table[j]]
-                self.num_registrations += 1
-                block.block_hash, block.token_ids = block_hash, tokens
-                block.registration, block.parent = self.num_registrations, parent
-                cached[block_hash] = block_id
-            parent = block.registration
-            chain.append(parent)
-            found.append(block_id)
-        return found
+    def _hash(self, token_ids: list[int] | tuple[int, ...], block_hashes: list[int], j: int) -> tuple:
+        """Block j's tokens and chained hash; each block is hashed once (kept in ``block_hashes``)."""
+        tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
+        if j == len(block_hashes):
+            block_hashes.append(hash_block(block_hashes[-1] if j else None, tokens))
+        return tokens, block_hashes[j]
+
+    def _registered(self, tokens: tuple[int, ...], block_hash: int, parent: int) -> Block | None:
+        """The block registered under ``block_hash`` if it holds these tokens after registration ``parent``:
+        by induction over a chain, the whole prefix is confirmed, not only the hash."""
+        block_id = self.cached_blocks.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.parent == parent and block.token_ids == tokens else None
+
+    def _register(self, block_id: int, tokens: tuple[int, ...], block_hash: int, parent: int) -> int:
+        """Register a written full block (tokens hashed block_hash, after registration parent); returns its
+        registration. A block found registered (another sequence computed it too) stays so, and its
+        registration is returned; another chain's block under the same hash (a collision) is replaced."""
+        if (block := self._registered(tokens, block_hash, parent)) is not None:
+            return block.registration
+        if (other := self.cached_blocks.get(block_hash)) is not None:  # a collision: replaced
+            self.blocks[other].block_hash = None
+            self.unhashed.pop(self.blocks[other].registration, None)  # no lookup can reach what follows it
+        block = self.blocks[block_id]
+        self.num_registrations += 1
+        block.block_hash, block.token_ids = block_hash, tokens
+        block.registration, block.parent = self.num_registrations, parent
+        self.cached_blocks[block_hash] = block_id
+        return block.registration
+
+    def _hash_run(self, run: Unhashed, parent: int) -> None:
+        """Register a run's blocks, after registration parent, until one handed out again (rewritten)."""
+        for j, block_id in enumerate(run.block_ids, run.first):
+            if self.blocks[block_id].taken > run.filed:
+                return
+            parent = self._register(block_id, *self._hash(run.token_ids, run.block_hashes, j), parent)
 
     def _share(self, block_id: int) -> None:
         """One reference more to a block; a cached block that nobody held leaves the free queue."""
@@ -225,6 +270,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
+            self.unhashed.pop(block.registration, None)  # no lookup can reach what follows it now
             block.block_hash = None
-        block.ref_count = 1
+        self.num_taken += 1
+        block.taken, block.ref_count = self.num_taken, 1
         return block_id

@@ -137,31 +137,31 @@ async def chat_chunks(
             }
         )
     completion_tokens = 0
-    async for _, out in stream:
-        for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            if not c.text and not c.finish_reason and top_n is None:
-                continue
-            lp = (
-                chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs or [], top_n)
-                if top_n is not None
-                else None
-            )
-            delta = {"content": c.text} if c.text or not c.finish_reason else {}
-            yield sse(
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": c.index,
-                            "delta": delta,
-                            "logprobs": lp,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ],
-                    **extra,
-                }
-            )
+    async for _, out in stream:  # a streamed output holds one choice's completion
+        c = out.outputs[0]
+        completion_tokens += len(c.token_ids)
+        if not c.text and not c.finish_reason and top_n is None:
+            continue
+        lp = (
+            chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs or [], top_n)
+            if top_n is not None
+            else None
+        )
+        delta = {"content": c.text} if c.text or not c.finish_reason else {}
+        yield sse(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                ],
+                **extra,
+            }
+        )
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

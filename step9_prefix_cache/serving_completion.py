@@ -97,27 +97,27 @@ async def completion_chunks(
     offsets = {i: len(text) for i, text in echo.items()}  # text_offset of each choice's next token
     completion_tokens = 0
     extra = {"usage": None} if include_usage else {}
-    async for first, out in stream:
-        for c in out.outputs:
-            index = first + c.index
-            completion_tokens += len(c.token_ids)
-            text = c.text
-            if index not in started:
-                started.add(index)
-                text = echo[index] + text
-            if not text and not c.finish_reason and logprobs is None:
-                continue  # a token whose text is held back (a possible stop string, a partial character)
-            lp = None
-            if logprobs is not None:
-                lp = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs or [], offsets[index])
-                offsets[index] += sum(len(t) for t in lp["tokens"])
-            choice = {
-                "index": index,
-                "text": text,
-                "logprobs": lp,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            yield sse({**head, "choices": [choice], **extra})
+    async for first, out in stream:  # a streamed output holds one choice's completion
+        c = out.outputs[0]
+        index = first + c.index
+        completion_tokens += len(c.token_ids)
+        text = c.text
+        if index not in started:
+            started.add(index)
+            text = echo[index] + text
+        if not text and not c.finish_reason and logprobs is None:
+            continue  # a token whose text is held back (a possible stop string, a partial character)
+        lp = None
+        if logprobs is not None:
+            lp = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs or [], offsets[index])
+            offsets[index] += sum(len(t) for t in lp["tokens"])
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        yield sse({**head, "choices": [choice], **extra})
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

@@ -94,10 +94,20 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     a = FakeSeq("a", [1, 2, 3, 4, 5])
     bm.allocate(a, bm.find_cached_blocks(a))  # nothing cached yet: 3 fresh blocks
     bm.cache_blocks(a, len(a))  # a step wrote its tokens: its two full blocks
-    assert len(bm.cached_blocks) == 2 and a.block_hashes[1] == hash_block(hash_block(None, (1, 2)), (3, 4))
+    # the first is registered now; the second waits, unhashed, behind it
+    first = bm.blocks[bm.block_tables["a"][0]]
+    assert list(bm.cached_blocks.values()) == [first.block_id]
+    assert a.block_hashes == [hash_block(None, (1, 2))]
+    assert bm.unhashed[first.registration] == (
+        ((bm.block_tables["a"][1],), (1, 2, 3, 4), a.block_hashes, 1, 3),
+    )
     # the same tokens after another prefix, or at another position, are another block
     assert bm.find_cached_blocks(FakeSeq("b", [3, 4, 1, 2, 9])) == []
+    assert len(bm.cached_blocks) == 1  # b's lookup stopped at its first block: nothing more was hashed
     assert bm.find_cached_blocks(FakeSeq("c", [1, 2, 3, 4, 9, 9])) == bm.block_tables["a"][:2]
+    # c's lookup reached a's first block: a's second was hashed and registered then
+    assert len(bm.cached_blocks) == 2 and a.block_hashes[1] == hash_block(hash_block(None, (1, 2)), (3, 4))
+    assert bm.unhashed == {}
     # the block holding the last token is never taken from the cache: a whole hit computes its last token
     assert bm.find_cached_blocks(FakeSeq("d", [1, 2, 3, 4])) == bm.block_tables["a"][:1]
     bm.free("a")
@@ -128,10 +138,71 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     assert bm2.find_cached_blocks(FakeSeq("j", [1, 2, 1, 2, 7])) == bm2.block_tables["g"][:1]
     k = FakeSeq("k", [1, 2, 1, 2, 7])
     bm2.allocate(k, bm2.find_cached_blocks(k))
-    bm2.cache_blocks(k, len(k))  # its second block replaces the first under the one hash: fewer hits only
-    assert bm2.find_cached_blocks(FakeSeq("l", [1, 2, 1, 2, 7])) == []
-    assert bm2.find_cached_blocks(FakeSeq("m", [3, 4, 1, 2, 7])) == []
+    bm2.cache_blocks(k, len(k))
+    # l's lookup finds g's first block, then hashes k's second, which replaces g's under the one hash:
+    # l's two blocks are found (each holds what l asks for, after the block before)
+    assert bm2.find_cached_blocks(FakeSeq("l", [1, 2, 1, 2, 7])) == bm2.block_tables["k"][:2]
+    assert list(bm2.cached_blocks.values()) == [bm2.block_tables["k"][1]]
+    assert bm2.find_cached_blocks(FakeSeq("m", [3, 4, 1, 2, 7])) == []  # the only one left holds [1, 2]
+    assert bm2.find_cached_blocks(FakeSeq("n", [1, 2, 7])) == []  # and only after g's first block
     check_blocks(bm2)
+
+
+def test_unhashed_blocks_handed_out_again_end_their_run():
+    """A block that waits to be hashed and is handed out again (rewritten) ends its run there; evicting the
+    block a run follows drops the run (nothing can reach it)."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = FakeSeq("a", [1, 2, 3, 4, 5, 6, 7])
+    bm.allocate(a, [])
+    a0, a1, a2, a3 = bm.block_tables["a"]
+    bm.cache_blocks(a, 6)  # three full blocks written: a0 registered, a1 and a2 wait
+    bm.free("a")  # to the end of the free queue, last block first: a3, a2, a1, a0
+    x, y = FakeSeq("x", [9] * 9), FakeSeq("y", [9])
+    bm.allocate(x, [])
+    bm.allocate(y, [])
+    assert bm.block_tables["x"][-1] == a3 and bm.block_tables["y"] == [a2]  # a2 is rewritten
+    assert bm.find_cached_blocks(FakeSeq("z", [1, 2, 3, 4, 5, 6, 9])) == [a0, a1]
+    assert sorted(bm.cached_blocks.values()) == sorted([a0, a1]) and bm.unhashed == {}
+    check_blocks(bm)
+    bm.cache_blocks(y, 1)  # less than a block: nothing to cache
+    assert len(bm.cached_blocks) == 2 and bm.unhashed == {}
+    bm.free("x")
+    b = FakeSeq("b", [1, 2, 3, 4, 5, 6, 7])
+    bm.allocate(b, bm.find_cached_blocks(b))  # a0, a1 found; fresh blocks for the rest
+    bm.cache_blocks(b, 6)  # its third block waits behind a1
+    assert list(bm.unhashed) == [bm.blocks[a1].registration]
+    bm.free("b")
+    bm.free("y")
+    bm.allocate(FakeSeq("c", [8] * 16), [])  # every block: a1 is evicted, and the run behind it dropped
+    assert bm.cached_blocks == {} and bm.unhashed == {}
+    check_blocks(bm)
+
+
+def test_every_choice_of_a_fork_gets_its_blocks_hashed():
+    """The n choices of a prompt share its blocks (fork), and each files a run over them when it finishes:
+    whichever finishes first, a prompt that continues its text finds its own blocks, not only the prompt's."""
+    bm = BlockManager(num_blocks=12, block_size=2)
+    a, b = FakeSeq("a", [1, 2, 3, 4, 5]), FakeSeq("1_a", [1, 2, 3, 4, 5])
+    a.forks = [b]
+    assert bm.allocate(a, bm.find_cached_blocks(a)) == [a, b]
+    for seq in (a, b):  # the prefill's step was launched: its full blocks are cached
+        bm.cache_blocks(seq, len(seq) - 1)
+    for seq, new in ((a, [6, 7, 8, 9]), (b, [16, 17, 18, 19])):  # each decodes its own tokens
+        for token in new:
+            seq.token_ids.append(token)
+            assert bm.append(seq.request_id, len(seq))
+    assert bm.block_tables["a"][:2] == bm.block_tables["1_a"][:2]  # the prompt's full blocks, shared
+    for seq in (b, a):  # the second choice finishes first
+        bm.cache_blocks(seq, len(seq) - 1)
+        bm.free(seq.request_id)
+    for seq in (a, b):
+        c = FakeSeq("c", seq.token_ids + [99])
+        found = bm.find_cached_blocks(c)
+        assert len(found) == 4  # 8 of its tokens: the prompt's 2 blocks and the choice's own 2
+        assert [bm.blocks[i].token_ids for i in found] == [
+            tuple(seq.token_ids[k : k + 2]) for k in (0, 2, 4, 6)
+        ]
+    check_blocks(bm)
 
 
 def test_a_hash_collision_gives_no_wrong_hit(demo_snapshot, monkeypatch):
@@ -258,6 +329,33 @@ def test_each_block_hashed_once_and_no_work_for_unchanged_sequences(tiny_snapsho
     assert engine.stats.num_preemptions > 0 and quiet_steps > 10
     blocks = [tuple(p + [0] * 12)[j * BLOCK : (j + 1) * BLOCK] for p in prompts for j in range(5)]
     assert len(hashed) == len(set(hashed)) <= len(blocks)  # no block hashed twice
+
+
+def test_a_block_is_hashed_when_a_lookup_reaches_it(tiny_snapshot, monkeypatch):
+    """Requests that share nothing hash one block each (their lookups stop at their first block, the one
+    registered at once): the rest of their blocks wait, unhashed, until a prompt that continues one of them
+    reaches them. Then they are hashed once and found."""
+    import step9_prefix_cache.block_manager as block_manager
+
+    hashed = []
+    hash_block = block_manager.hash_block
+    monkeypatch.setattr(block_manager, "hash_block", lambda p, t: hashed.append(t) or hash_block(p, t))
+    llm = LLM(model=str(tiny_snapshot), block_size=BLOCK)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[100 * i + j for j in range(9)] for i in (1, 2)]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+
+    def blocks(tokens, first, last):
+        return [tuple(tokens[j * BLOCK : (j + 1) * BLOCK]) for j in range(first, last)]
+
+    assert sorted(hashed) == sorted(blocks(prompts[0], 0, 1) + blocks(prompts[1], 0, 1))
+    hashed.clear()
+    turn = prompts[0] + outputs[0].outputs[0].token_ids + [7]  # 22 tokens: 5 full blocks before its last
+    before = llm.engine.stats.prefix_cache_hits
+    llm.generate(prompt_token_ids=[turn], sampling_params=params)
+    assert llm.engine.stats.prefix_cache_hits - before == 5 * BLOCK
+    # the turn's lookup hashes its 5 blocks, and the first request's blocks 1-4 when it reaches them
+    assert sorted(hashed) == sorted(blocks(turn, 0, 5) + blocks(turn, 1, 5))
 
 
 def test_a_finished_sequence_leaves_its_generated_blocks_cached(llm, oracle):
