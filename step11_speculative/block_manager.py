@@ -65,7 +65,7 @@ class BlockManager:
 
     free_blocks: the ids of blocks nobody holds, least recently freed first (the eviction order); a cached
     one keeps its hash until it is handed out. cached_blocks: block hash -> the block registered under it.
-    unhashed: registration -> the runs of written blocks that follow that block, not hashed yet.
+    unhashed: each live registration -> the runs of written blocks that follow its block, not hashed yet.
     block_tables[seq_id]: a sequence's blocks, in position order. chains[seq_id]: the registrations of its
     leading full blocks, as far as found at its admission or registered at once (its first).
     num_queried_tokens, num_hit_tokens: prompt tokens of the sequences admitted (at their first admission)
@@ -106,13 +106,13 @@ class BlockManager:
             return []
         found, parent = [], 0  # parent: the registration of the block before (0: none)
         for j in range((len(seq) - 1) // self.block_size):
-            for run in self.unhashed.pop(parent, ()):  # written blocks after it wait: hashed now
-                self._hash_run(run, parent)
+            self._hash_runs(parent)  # written blocks that follow it wait: hashed now
             block = self._registered(*self._hash(seq.token_ids, seq.block_hashes, j), parent)
             if block is None:
-                break
+                return found
             found.append(block.block_id)
             parent = block.registration
+        self._hash_runs(parent)  # and those after the last block found, so that runs never pile up there
         return found
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
@@ -200,10 +200,11 @@ class BlockManager:
         table = self.block_tables[seq.request_id]
         if not chain:
             chain.append(self._register(table[0], *self._hash(seq.token_ids, seq.block_hashes, 0), 0))
-        if len(chain) < n:
+        runs = self.unhashed.get(chain[-1])
+        if len(chain) < n and runs is not None:  # None: that registration is gone, nothing can reach these
             tokens = tuple(seq.token_ids[: n * self.block_size])
             run = Unhashed(tuple(table[len(chain) : n]), tokens, seq.block_hashes, len(chain), self.num_taken)
-            self.unhashed[chain[-1]] = self.unhashed.get(chain[-1], ()) + (run,)
+            self.unhashed[chain[-1]] = runs + (run,)
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's reference to each of its blocks (finished, aborted or preempted); a block
@@ -242,13 +243,22 @@ class BlockManager:
             return block.registration
         if (other := self.cached_blocks.get(block_hash)) is not None:  # a collision: replaced
             self.blocks[other].block_hash = None
-            self.unhashed.pop(self.blocks[other].registration, None)  # no lookup can reach what follows it
+            del self.unhashed[self.blocks[other].registration]  # no lookup can reach what follows it
         block = self.blocks[block_id]
         self.num_registrations += 1
         block.block_hash, block.token_ids = block_hash, tokens
         block.registration, block.parent = self.num_registrations, parent
         self.cached_blocks[block_hash] = block_id
+        self.unhashed[block.registration] = ()
         return block.registration
+
+    def _hash_runs(self, parent: int) -> None:
+        """Register the runs filed after registration parent, newest first: of two written copies of a
+        block, the one freed last is evicted last."""
+        if runs := self.unhashed.get(parent):
+            self.unhashed[parent] = ()
+            for run in reversed(runs):
+                self._hash_run(run, parent)
 
     def _hash_run(self, run: Unhashed, parent: int) -> None:
         """Register a run's blocks, after registration parent, until one handed out again (rewritten)."""
@@ -277,7 +287,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
-            self.unhashed.pop(block.registration, None)  # no lookup can reach what follows it now
+            del self.unhashed[block.registration]  # no lookup can reach what follows it now
             block.block_hash = None
         self.num_taken += 1
         block.taken, block.ref_count = self.num_taken, 1

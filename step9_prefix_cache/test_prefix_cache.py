@@ -74,6 +74,12 @@ def check_blocks(bm: BlockManager) -> None:
     }
     registrations = [b.registration for b in bm.blocks if b.block_hash is not None]
     assert len(set(registrations)) == len(registrations) and 0 not in registrations
+    assert set(bm.unhashed) == set(registrations)  # runs wait only behind a block still registered
+
+
+def waiting(bm: BlockManager) -> dict:
+    """The runs that wait to be hashed, by the registration they follow."""
+    return {registration: runs for registration, runs in bm.unhashed.items() if runs}
 
 
 class FakeSeq:
@@ -107,7 +113,7 @@ def test_block_hashes_chain_lru_and_eviction(monkeypatch):
     assert bm.find_cached_blocks(FakeSeq("c", [1, 2, 3, 4, 9, 9])) == bm.block_tables["a"][:2]
     # c's lookup reached a's first block: a's second was hashed and registered then
     assert len(bm.cached_blocks) == 2 and a.block_hashes[1] == hash_block(hash_block(None, (1, 2)), (3, 4))
-    assert bm.unhashed == {}
+    assert waiting(bm) == {}
     # the block holding the last token is never taken from the cache: a whole hit computes its last token
     assert bm.find_cached_blocks(FakeSeq("d", [1, 2, 3, 4])) == bm.block_tables["a"][:1]
     bm.free("a")
@@ -162,19 +168,75 @@ def test_unhashed_blocks_handed_out_again_end_their_run():
     bm.allocate(y, [])
     assert bm.block_tables["x"][-1] == a3 and bm.block_tables["y"] == [a2]  # a2 is rewritten
     assert bm.find_cached_blocks(FakeSeq("z", [1, 2, 3, 4, 5, 6, 9])) == [a0, a1]
-    assert sorted(bm.cached_blocks.values()) == sorted([a0, a1]) and bm.unhashed == {}
+    assert sorted(bm.cached_blocks.values()) == sorted([a0, a1]) and waiting(bm) == {}
     check_blocks(bm)
     bm.cache_blocks(y, 1)  # less than a block: nothing to cache
-    assert len(bm.cached_blocks) == 2 and bm.unhashed == {}
+    assert len(bm.cached_blocks) == 2 and waiting(bm) == {}
     bm.free("x")
     b = FakeSeq("b", [1, 2, 3, 4, 5, 6, 7])
     bm.allocate(b, bm.find_cached_blocks(b))  # a0, a1 found; fresh blocks for the rest
     bm.cache_blocks(b, 6)  # its third block waits behind a1
-    assert list(bm.unhashed) == [bm.blocks[a1].registration]
+    assert list(waiting(bm)) == [bm.blocks[a1].registration]
     bm.free("b")
     bm.free("y")
     bm.allocate(FakeSeq("c", [8] * 16), [])  # every block: a1 is evicted, and the run behind it dropped
     assert bm.cached_blocks == {} and bm.unhashed == {}
+    check_blocks(bm)
+
+
+def test_runs_wait_only_where_a_lookup_can_reach_them():
+    """The same prompt asked again and again: each request's own blocks wait behind the prompt's last full
+    block, which every lookup finds whole, so each lookup hashes what waits there and nothing piles up. And
+    a run behind a registration that is gone (evicted) is not filed: no lookup could reach it."""
+    bm = BlockManager(num_blocks=24, block_size=2)
+    for i in range(30):
+        s = FakeSeq(f"r{i}", [1, 2, 3, 4, 5])  # 2 full blocks, found from the second request on
+        bm.allocate(s, bm.find_cached_blocks(s))
+        assert sum(map(len, bm.unhashed.values())) == 0
+        for token in (6 + i, 7, 8):  # a step writes the prompt, then each output token is appended
+            bm.cache_blocks(s, len(s) - 1)
+            s.token_ids.append(token)
+            assert bm.append(s.request_id, len(s))
+        bm.cache_blocks(s, len(s) - 1)
+        bm.free(s.request_id)
+        check_blocks(bm)
+    assert bm.num_hit_tokens == 29 * 4
+    bm = BlockManager(num_blocks=6, block_size=1)
+    a, b = FakeSeq("a", [1, 1]), FakeSeq("b", [1, 1])  # the same prompt, admitted in one step: no hits
+    for s in (a, b):
+        bm.allocate(s, bm.find_cached_blocks(s))
+    for s in (a, b):
+        s.token_ids.append(7)
+        bm.cache_blocks(s, len(s) - 1)  # a's first block is registered; b's chain follows it
+    bm.cache_blocks(a, len(a) - 1)
+    bm.free("a")
+    bm.allocate(FakeSeq("x", [9] * 4), [])  # evicts a's blocks, a's first among them
+    bm.free("x")
+    bm.cache_blocks(b, len(b) - 1)  # b's second block would follow a's first: not filed
+    bm.free("b")
+    assert waiting(bm) == {}
+    check_blocks(bm)
+
+
+def test_a_lookup_registers_the_copy_written_last():
+    """Two requests admitted in one step compute the same blocks: the lookup that hashes both copies
+    registers the later one's, which the free queue evicts last, so the block stays found after the earlier
+    copy is evicted."""
+    bm = BlockManager(num_blocks=6, block_size=1)
+    a, b = FakeSeq("a", [0, 0]), FakeSeq("b", [0, 0])
+    for s in (a, b):  # neither finds anything: both compute [0] [0]
+        bm.allocate(s, bm.find_cached_blocks(s))
+    first, a_copy, b_copy = bm.block_tables["a"][0], bm.block_tables["a"][1], bm.block_tables["b"][1]
+    for s in (a, b):
+        s.token_ids.append(7)
+        bm.cache_blocks(s, len(s) - 1)  # a's first block is registered, b's chain follows it
+    for s in (a, b):  # a finishes first
+        bm.cache_blocks(s, len(s) - 1)
+        bm.free(s.request_id)
+    assert bm.find_cached_blocks(FakeSeq("x", [0, 0, 0])) == [first, b_copy]
+    bm.allocate(FakeSeq("y", [8, 8, 8]), [])  # the front of the free queue: a's copy, not the first block
+    assert a_copy in bm.block_tables["y"] and first not in bm.block_tables["y"]
+    assert bm.find_cached_blocks(FakeSeq("z", [0, 0, 0])) == [first, b_copy]
     check_blocks(bm)
 
 
