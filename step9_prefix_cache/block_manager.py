@@ -106,13 +106,12 @@ class BlockManager:
             return []
         found, parent = [], 0  # parent: the registration of the block before (0: none)
         for j in range((len(seq) - 1) // self.block_size):
-            self._hash_runs(parent)  # written blocks that follow it wait: hashed now
             block = self._registered(*self._hash(seq.token_ids, seq.block_hashes, j), parent)
             if block is None:
-                return found
+                break
             found.append(block.block_id)
             parent = block.registration
-        self._hash_runs(parent)  # and those after the last block found, so that runs never pile up there
+            self._hash_runs(parent)  # the written blocks that follow it wait: hashed now
         return found
 
     def can_allocate(self, seq: Sequence, cached: list[int]) -> bool:
