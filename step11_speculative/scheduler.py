@@ -111,33 +111,29 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's sequences and reserve the cache blocks they will write."""
+    def schedule(self, drafted: bool = False) -> SchedulerOutput:
+        """Pick this step's sequences and reserve the cache blocks they will write. drafted: whether the
+        running sequences hold drafts (``spec_token_ids``) to verify in this step."""
         out = SchedulerOutput()
         blocks = self.block_manager
         for seq in self.prefilled:  # the last step (launched) writes their full blocks: they join the cache
             if not seq.finished:
                 blocks.cache_blocks(seq, len(seq) - 1)
-        # 1. Every running sequence decodes one token (or is verified with its drafts), oldest first; its
-        # tokens may need new blocks.
-        i, spare = 0, self.max_num_batched_tokens - len(self.running)  # tokens the drafts may take
+        # 1. Every running sequence decodes one token, oldest first; its token may need a new block.
+        i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if len(seq.spec_token_ids) > spare:
-                seq.spec_token_ids = []  # no room in the pass for its drafts
             if len(seq) >= seq.max_len:  # its last token is in flight (async scheduling): no position left
                 i += 1
-            elif seq.spec_token_ids and blocks.append(seq.request_id, len(seq) + len(seq.spec_token_ids)):
-                seq.num_computed_tokens = len(seq) - 1  # its last token and its drafts go through the model
-                out.verifies.append(seq)
-                spare -= len(seq.spec_token_ids)
-                i += 1
             elif blocks.append(seq.request_id, len(seq)):
-                seq.spec_token_ids = []  # no room for its drafts: a plain decode
                 out.decodes.append(seq)
                 i += 1
             else:  # no block free: the newest running sequence steps back (seq itself, if it is the newest)
                 out.preempted.append(self._preempt(self.running.pop()))
+        # 2. Drafts take what is left once every running sequence has room for its token: the token budget
+        # and the free blocks, oldest first; a sequence they do not fit decodes without them.
+        if drafted:
+            self._verify_drafts(out)
         out.blocks_to_copy, blocks.blocks_to_copy = blocks.blocks_to_copy, {}
         # 2. Admit waiting requests in arrival order while all three limits allow; no overtaking. Not when
         # memory is short (someone was preempted): admitting anyone now would only preempt again.
@@ -207,8 +203,23 @@ class Scheduler:
             num_eager_verify_steps=self.spec.num_eager_verify_steps,
         )
 
+    def _verify_drafts(self, out: SchedulerOutput) -> None:
+        """Move the decodes whose drafts fit (in the token budget, and in blocks of their own) to
+        ``out.verifies``; the others drop their drafts."""
+        spare, decodes = self.max_num_batched_tokens - len(out.decodes), out.decodes
+        out.decodes = []
+        for seq in decodes:
+            k = len(seq.spec_token_ids)
+            if k and k <= spare and self.block_manager.extend(seq.request_id, len(seq) + k):
+                seq.num_computed_tokens = len(seq) - 1  # its last token and its drafts go through the model
+                out.verifies.append(seq)
+                spare -= k
+            else:
+                seq.spec_token_ids, seq.spec_probs = [], None  # no room for its drafts: a plain decode
+                out.decodes.append(seq)
+
     def _preempt(self, seq: Sequence) -> Sequence:
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_probs = [], None
         self.block_manager.cache_blocks(seq, len(seq) - 1)  # its full blocks stay cached for its return
         self.block_manager.free(seq.request_id)
         self.waiting.appendleft(seq)

@@ -129,6 +129,52 @@ def test_a_stop_token_inside_an_accepted_run_cuts_it(plain, spec):
     assert_no_block_held(spec)
 
 
+def test_accepted_drafts_count_only_the_drafts_a_request_keeps(spec):
+    """A run cut by max_tokens or a stop token counts as accepted only the drafts appended before the cut
+    (vllm #56101; here max_tokens=2 counted 2 accepted for the 1 kept)."""
+    prompt = PROMPTS[5]  # its first verification accepts its first two drafts
+    full = greedy_ids(spec, prompts=[prompt], max_tokens=12)[0]
+    for fields in [{"max_tokens": 2}, {"stop_token_ids": [full[1]]}, {"max_tokens": 3}, {}]:
+        before = spec.engine.stats
+        ids = greedy_ids(spec, prompts=[prompt], **{"max_tokens": 12, **fields})[0]
+        after = spec.engine.stats
+        drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+        accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+        per_pos = [
+            a - b
+            for a, b in zip(
+                after.spec_decode_num_accepted_tokens_per_pos, before.spec_decode_num_accepted_tokens_per_pos
+            )
+        ]
+        assert drafts >= 1 and ids == full[: len(ids)], fields
+        # the prefill makes the first token; each verification its kept drafts and at most one more
+        assert len(ids) - 1 - drafts <= accepted <= len(ids) - 1, (fields, ids, drafts, accepted)
+        assert accepted == sum(per_pos), fields
+    assert_no_block_held(spec)
+
+
+@pytest.mark.parametrize("block_size, num_kv_blocks", [(4, 15), (2, 29)])
+def test_drafts_take_only_the_blocks_no_running_request_needs(demo_snapshot, block_size, num_kv_blocks):
+    """Small pools that fit the requests without speculation (found by a sweep): drafts take only what is
+    left once every running request has room for its next token, so nobody is preempted for a draft (the
+    drafts of an older request had taken the block a younger one needed) and the ids are unchanged."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    outputs, stats = {}, {}
+    for config in (None, {"method": "ngram", "num_speculative_tokens": 6}):
+        llm = LLM(
+            model=str(demo_snapshot),
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=2,
+            speculative_config=config,
+        )
+        outputs[config is None] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        stats[config is None] = llm.engine.stats
+    assert stats[True].num_preemptions == 0  # the workload fits without speculation
+    assert stats[False].num_preemptions == 0 and stats[False].spec_decode_num_drafts > 0
+    assert outputs[True] == outputs[False]
+
+
 def test_the_prefix_cache_never_holds_a_rejected_draft(demo_snapshot, plain, spec):
     """After speculative runs the cache holds these prompts' blocks; a plain engine sharing nothing
     agrees with the answers read from them, and every registered block holds accepted tokens only."""

@@ -156,23 +156,39 @@ class BlockManager:
             self.copy_on_write.update((seq.request_id, child.request_id))
 
     def append(self, seq_id: str, num_tokens: int) -> bool:
-        """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode; more: a
-        verification of drafts), taking blocks while its last one is full. A forked choice's first write,
-        into the partly filled last block it shares, takes a block of its own instead: (source, destination)
-        goes into ``blocks_to_copy``, to be copied before the step writes (copy-on-write). Returns False,
-        taking nothing, if too few are free."""
+        """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode),
+        taking a block if its last one is full. A forked choice's first write, into the partly filled last
+        block it shares, takes a block of its own instead: (source, destination) goes into
+        ``blocks_to_copy``, to be copied before the step writes (copy-on-write). Returns False, taking
+        nothing, if none is free."""
         table = self.block_tables[seq_id]
-        copy = seq_id in self.copy_on_write and self.blocks[table[-1]].ref_count > 1
-        new = max(0, self.blocks_for(num_tokens) - len(table))
-        if copy + new > len(self.free_blocks):
-            return False
-        if copy:  # its write lands in the shared block (the last holder writes in place)
+        if self.copy_on_write and seq_id in self.copy_on_write:  # its write lands in the shared block
             shared = self.blocks[table[-1]]
-            own = self._pop_free()
-            shared.ref_count -= 1  # still held by the others
-            table[-1] = own
-            self.blocks_to_copy[seq_id] = (shared.block_id, own)
-        self.copy_on_write.discard(seq_id)
+            if shared.ref_count > 1:  # the last holder writes in place
+                if not self.free_blocks:
+                    return False
+                own = self._pop_free()
+                shared.ref_count -= 1  # still held by the others
+                table[-1] = own
+                self.blocks_to_copy[seq_id] = (shared.block_id, own)
+            self.copy_on_write.discard(seq_id)
+            return True
+        if num_tokens <= len(table) * self.block_size:
+            return True
+        if not self.free_blocks:
+            return False
+        table.append(self._pop_free())
+        return True
+
+    def extend(self, seq_id: str, num_tokens: int) -> bool:
+        """Make room for the sequence to hold ``num_tokens`` tokens, several more than it holds (a
+        verification: its newest token and its drafts), taking the blocks past its last one, all or none:
+        returns False, taking nothing, if too few are free. Called after ``append`` made room for the
+        newest token (and its copy-on-write)."""
+        table = self.block_tables[seq_id]
+        new = self.blocks_for(num_tokens) - len(table)
+        if new > len(self.free_blocks):
+            return False
         table.extend(self._pop_free() for _ in range(new))
         return True
 

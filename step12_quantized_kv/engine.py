@@ -236,7 +236,7 @@ class LLMEngine:
         if speculating:
             self.propose()
         with self.placeholders():  # the in-flight tokens count in their sequences' lengths
-            scheduled = self.scheduler.schedule()
+            scheduled = self.scheduler.schedule(drafted=speculating)
             # copy-on-write: a shared block is copied before this step writes into it
             self.kv_cache.copy_blocks(list(scheduled.blocks_to_copy.values()))
             launched = self.model_runner.launch(scheduled) if scheduled.seqs else None
@@ -290,26 +290,33 @@ class LLMEngine:
         """Wait for a launched step's tokens, append them to their sequences, retire the finished ones;
         returns each sequence's output. A sequence that finished (or was aborted) after that step was launched
         gets nothing: its token is one position past its end. A verified sequence appends its accepted drafts
-        and the token after them, up to the first that finishes it (nothing after that one is kept); its
-        blocks past its new length, which held only rejected drafts, are given back."""
+        and the token after them, up to the first that finishes it (nothing after that one is kept, nor
+        counted as accepted); its blocks past its new length, which held only rejected drafts, go back."""
         outputs = []
-        for seq, token_ids, logprobs in zip(launched.seqs, *launched.get_output()):
-            drafts, seq.spec_token_ids, seq.spec_probs = seq.spec_token_ids, [], None
-            if drafts:
-                self.scheduler.spec.observe(len(drafts), len(token_ids) - 1)
+        for seq, token_id, token_logprobs in zip(launched.seqs, *launched.get_output()):
             if seq.finished:
                 continue
-            for token_id, token_logprobs in zip(token_ids, logprobs):
-                seq.append(token_id, token_logprobs)
-                if seq.finished:
-                    break
-            if drafts and not seq.finished:  # the blocks that held only rejected drafts go back
-                self.block_manager.trim(seq.request_id, len(seq))
-                self.model_runner.input_batch.trim(seq.request_id, self.block_manager.blocks_for(len(seq)))
+            seq.append(token_id, token_logprobs)
             outputs.append(seq.output())
             if seq.finished:  # leaves the batch now; its blocks are free for the next step
                 # Its blocks may still be written by the step in flight; a later step that reuses them is
                 # queued behind it on the same stream, so it reads and writes them only after that one.
+                self.scheduler.finish(seq)
+                self.retire(seq)
+        for seq, (accepted, token_id) in zip(launched.verifies, launched.get_verified()):
+            drafts, seq.spec_token_ids, seq.spec_probs = seq.spec_token_ids, [], None
+            if seq.finished:
+                continue
+            for kept, new_id in enumerate(drafts[:accepted] + [token_id], 1):
+                seq.append(new_id)
+                if seq.finished:
+                    break
+            self.scheduler.spec.observe(len(drafts), min(kept, accepted))  # the drafts it keeps
+            if not seq.finished:  # the blocks that held only rejected drafts go back
+                self.block_manager.trim(seq.request_id, len(seq))
+                self.model_runner.input_batch.trim(seq.request_id, self.block_manager.blocks_for(len(seq)))
+            outputs.append(seq.output())
+            if seq.finished:
                 self.scheduler.finish(seq)
                 self.retire(seq)
         return outputs

@@ -197,6 +197,14 @@ class InputBatch:
         self.buffer.copy_to_gpu(self.table_offset + (highest_row + 1) * self.max_blocks)
         return qsl[-1], qsl
 
+    def logits_indices(self, scheduled: SchedulerOutput, query_start_loc: list[int]) -> np.ndarray:
+        """The tokens whose logits a step with verifications (not padded) computes, in the order the model
+        runner reads them: each sampled lane's last token (the prefills', then the decodes'), then every
+        token of the verification lanes (their newest and their drafts). [S - B + sum(1 + k)]"""
+        a, b = len(scheduled.prefills), len(scheduled.prefills) + len(scheduled.verifies)
+        qsl = np.asarray(query_start_loc)  # [S + 1]
+        return np.concatenate([qsl[1 : a + 1] - 1, qsl[b + 1 :] - 1, np.arange(qsl[a], qsl[b])])
+
     def fill_padding(self, num_lanes: int, query_len: int = 1) -> None:
         """Make every one of ``num_lanes`` lanes a padding lane of ``query_len`` tokens, on the host and the
         device: the inputs a graph is captured with (its warm-up runs write only the scratch slot)."""

@@ -31,11 +31,11 @@ from .sequence import Sequence
 class AsyncModelRunnerOutput:
     """A launched step's sampled tokens, on their way to the host (vLLM's name).
 
-    seqs: the step's sampled sequences in lane order (prefills, then decodes), then its verified ones.
-    packed: ``sample_on_device``'s output [S, 1 or 3 + 2n]; verified: ``rejection_sample``'s [B, 2] (or
-    None); each copied into pinned host memory by a non-blocking copy on a CUDA device (then ``copied`` is
-    the event recorded after them), or the CPU tensor itself (the "copy" was synchronous). replayed:
-    whether the step's forward pass replayed a CUDA graph.
+    seqs: the step's sampled sequences in lane order (prefills, then decodes). packed: ``sample_on_device``'s
+    output [S, 1 or 3 + 2n]; verifies: the step's verified sequences; verified: ``rejection_sample``'s
+    [B, 2] (or None); each copied into pinned host memory by a non-blocking copy on a CUDA device (then
+    ``copied`` is the event recorded after them), or the CPU tensor itself (the "copy" was synchronous).
+    replayed: whether the step's forward pass replayed a CUDA graph.
     """
 
     def __init__(
@@ -43,13 +43,13 @@ class AsyncModelRunnerOutput:
         seqs: list[Sequence],
         packed: torch.Tensor,
         tokenizer: Tokenizer,
+        verifies: list[Sequence] = (),
         verified: torch.Tensor | None = None,
         replayed: bool = False,
     ):
         self.seqs = seqs
-        self.replayed = replayed
-        self.num_sampled = len(packed)
-        self.params: list[SamplingParams] = [seq.params for seq in seqs[: self.num_sampled]]
+        self.verifies, self.replayed = verifies, replayed
+        self.params: list[SamplingParams] = [seq.params for seq in seqs]
         self.tokenizer = tokenizer
         self.copied: torch.cuda.Event | None = None
         self.packed, self.verified = (to_pinned(t) for t in (packed, verified))  # [S, C], [B, 2]
@@ -57,21 +57,23 @@ class AsyncModelRunnerOutput:
             self.copied = torch.cuda.Event()
             self.copied.record(torch.cuda.current_stream(packed.device))
 
-    def get_output(self) -> tuple[list[list[int]], list[list[dict[int, Logprob] | None]]]:
-        """Wait for the copy (the step's one wait for the device), then each sequence's new tokens, in
-        ``seqs`` order, and their logprobs if asked for: one token per sampled sequence; a verified one's
-        accepted drafts and the target's token after them (no logprobs: such requests never speculate)."""
+    def get_output(self) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """Wait for the copy (the step's one wait for the device), then one token per sequence, in
+        ``seqs`` order, and its logprobs if asked for."""
         if self.copied is not None:
             self.copied.synchronize()
         out = to_host(self.packed, self.params)
         decode = lambda token_id: self.tokenizer.decode([token_id])  # noqa: E731
-        token_ids = [[token_id] for token_id in out.token_ids]
-        logprobs = [[row.as_dict(decode) if row is not None else None] for row in out.logprobs]
-        if self.verified is not None:
-            for seq, (accepted, token_id) in zip(self.seqs[self.num_sampled :], self.verified.tolist()):
-                token_ids.append(seq.spec_token_ids[:accepted] + [token_id])
-                logprobs.append([None] * (accepted + 1))
-        return token_ids, logprobs
+        return out.token_ids, [row.as_dict(decode) if row is not None else None for row in out.logprobs]
+
+    def get_verified(self) -> list[list[int]]:
+        """Each verified sequence's [drafts accepted, the target's token after them], in ``verifies`` order
+        (waits for the copy too)."""
+        if self.verified is None:
+            return []
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.verified.tolist()
 
 
 def to_pinned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -143,18 +145,17 @@ class ModelRunner:
         else:
             width = max(self.input_batch.num_blocks[self.input_batch.np["rows"][:S]])
             rows = None
-            if scheduled.verifies:
-                host = torch.tensor(logits_rows(query_start_loc, len(scheduled.prefills), P))
-                rows = host.to(self.device, non_blocking=True)  # [S + sum(k)]
-            logits = self.execute_model(N, S, P, query_start_loc, width, rows)  # [S + sum(k), V]
+            if scheduled.verifies:  # the sampled lanes' last tokens, then every verification token
+                host = torch.from_numpy(self.input_batch.logits_indices(scheduled, query_start_loc))
+                rows = host.to(self.device, non_blocking=True)  # [S - B + sum(1 + k)]
+            logits = self.execute_model(N, S, P, query_start_loc, width, rows)  # [S - B + sum(1 + k), V]
         self.num_uniform_verify_steps += bool(uniform and scheduled.verifies)
-        verified = None
-        if scheduled.verifies:  # their rows: after the prefills' (one each), before the decodes'
-            a = len(scheduled.prefills)
-            b = a + sum(1 + len(seq.spec_token_ids) for seq in scheduled.verifies)
-            verify_logits, logits = logits[a:b], torch.cat([logits[:a], logits[b:]])  # [R, V], [S - B, V]
+        # the sampled lanes' logits rows come first, then the verifications' (``InputBatch.logits_indices``)
+        seqs = scheduled.prefills + scheduled.decodes
+        S, verified = len(seqs), None
+        if scheduled.verifies:
             verified = rejection_sample(
-                verify_logits,
+                logits[S:],
                 [seq.spec_token_ids for seq in scheduled.verifies],
                 [seq.params for seq in scheduled.verifies],
                 [seq.generator for seq in scheduled.verifies],
@@ -162,12 +163,10 @@ class ModelRunner:
             )  # [B, 2]: accepted count, the token after them
             rows = self.input_batch.gpu["rows"][len(scheduled.prefills) : P]  # [B]
             self.input_batch.last_token.index_copy_(0, rows, verified[:, 1])
-        seqs = scheduled.prefills + scheduled.decodes
         replayed = uniform and graphs is not None
         if not seqs:  # verifications only: nothing to sample
             nothing = torch.zeros(0, 1, device=self.device)  # [0, 1]
-            return AsyncModelRunnerOutput(scheduled.verifies, nothing, self.tokenizer, verified, replayed)
-        S = len(seqs)
+            return AsyncModelRunnerOutput([], nothing, self.tokenizer, scheduled.verifies, verified, replayed)
         packed = sample_on_device(
             logits[:S],
             [seq.params for seq in seqs],
@@ -180,7 +179,7 @@ class ModelRunner:
             lanes = self.input_batch.gpu["rows"]
             rows = torch.cat([lanes[: len(scheduled.prefills)], lanes[P : P + len(scheduled.decodes)]])  # [S]
         self.input_batch.last_token.index_copy_(0, rows, packed[:, 0].long())  # the next step's input ids
-        return AsyncModelRunnerOutput(seqs + scheduled.verifies, packed, self.tokenizer, verified, replayed)
+        return AsyncModelRunnerOutput(seqs, packed, self.tokenizer, scheduled.verifies, verified, replayed)
 
     def decode_forward(self, num_lanes: int) -> torch.Tensor:
         """The forward pass of a decode-only batch of ``num_lanes`` lanes over the persistent buffers,
@@ -252,12 +251,3 @@ class ModelRunner:
             )
             stats.append(self.verify_graph_runner.capture())
         return stats
-
-
-def logits_rows(query_start_loc: list[int], first: int, end: int) -> list[int]:
-    """The tokens that get logits: each lane's last new one, and every token of the verification lanes
-    ``first`` .. ``end`` - 1 (query_start_loc: the lanes' token offsets, [S + 1])."""
-    rows = []
-    for i, (a, b) in enumerate(zip(query_start_loc, query_start_loc[1:])):
-        rows.extend(range(a, b) if first <= i < end else [b - 1])
-    return rows
