@@ -84,6 +84,11 @@ BENCHMARKS = {
         "12",
         "what an 8-bit KV cache costs and buys: held-out perplexity, top-1; kernel, tok/s, a fixed pool",
     ),
+    "ladder": (
+        "benchmarks.ladder",
+        "5-12",
+        "no step slower than the one before: every step's LLM.generate at B = 1, 64, 256 vs HF static cache",
+    ),
 }
 
 

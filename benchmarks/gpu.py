@@ -25,7 +25,7 @@ import torch
 from common.weights import load_config
 
 from .lib import drivers, harness, workloads
-from .lib.models import hf_model, snapshot
+from .lib.models import hf_model, raise_recompile_limit, snapshot
 from .lib.profiled import top_functions
 
 NAME = "gpu"
@@ -36,6 +36,7 @@ WORKLOADS = {
     "short": {"prompt_tokens": 32, "max_tokens": 128},
     "long": {"prompt_tokens": 512, "max_tokens": 256},
 }
+HF_STATIC_RECOMPILE_LIMIT = 64  # torch._dynamo's default (8) would fall back to eager after 8 shapes
 ENGINE_NAMES = ("hf", "hf_static", "step2", "step3", "step4", "step5", "step7", "step8")
 # dtype -> workload -> the engines that run it (step5, step7, step8 where their packages exist). A whole run
 # takes about 18 minutes on an H200 without hf_static (which compiles at every point; step 8 adds a few);
@@ -114,7 +115,6 @@ ENGINES = {
     "step8": "step8_async_scheduling.LLM with step4's arguments (CUDA graphs; async_scheduling: its default, "
     "on with CUDA, off on a CPU).generate",
 }
-HF_STATIC_RECOMPILE_LIMIT = 64  # torch._dynamo's default (8) would fall back to eager after 8 shapes
 
 
 def main(
@@ -261,7 +261,7 @@ def run(
         result["dtype_study"] = run_dtype_study(dtype_study, device)
     recorded = harness.result_path(NAME, device, "json", out_dir / "quick" if quick else out_dir)
     if merge and recorded.is_file():
-        result = merge_into(json.loads(recorded.read_text()), result)
+        result = merge_into(json.loads(recorded.read_text()), harness.portable(result))
     return harness.finish(NAME, device, result, started, plot, report, out_dir)
 
 
@@ -371,7 +371,7 @@ def bench_model(
         item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         hf = hf_model(folder, device, dtype) if engines & {"hf", "hf_static"} else None
         if "hf_static" in engines:
-            raise_recompile_limit()
+            raise_recompile_limit(HF_STATIC_RECOMPILE_LIMIT)
         step2 = (
             modules["step2"].LLM(model=str(folder), device=device, dtype=dtype)
             if "step2" in engines
@@ -449,14 +449,6 @@ def bench_model(
         del hf, step2
         harness.free(device)
     return out
-
-
-def raise_recompile_limit() -> None:
-    """Let torch.compile keep a graph per shape: hf_static meets a new one at every point."""
-    import torch._dynamo
-
-    name = next(n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n))
-    setattr(torch._dynamo.config, name, HF_STATIC_RECOMPILE_LIMIT)
 
 
 def measure(

@@ -18,6 +18,7 @@ from benchmarks import (
     cuda_graphs,
     gpu,
     kvcache,
+    ladder,
     quantized_kv,
     server_overhead,
     static_batch,
@@ -57,7 +58,7 @@ def test_kvcache_benchmark_writes_json_and_plot(tiny_model, tmp_path):
         "date",
     } <= set(written["machine"])
     assert written["workload"]["runs"] == 2
-    model = written["models"][tiny_model]
+    model = written["models"][harness.portable(tiny_model)]
     assert model["step1"] == {"max_tokens": 4, "runs": 1, "capped": True}
 
     # a. generation: one point per length; step1 left out beyond its cap; every run's figures kept
@@ -201,7 +202,7 @@ def test_static_batch_benchmark_writes_json_and_plot(tiny_model, tmp_path):
         "max_tokens": 9,
         "arrival_s": 0.0,
     }  # exactly what ran
-    model = written["models"][tiny_model]
+    model = written["models"][harness.portable(tiny_model)]
 
     # a. equal-length requests: one point per batch size, every engine, every run; step2 serves at most 2
     assert [p["batch_size"] for p in model["equal_length"]] == [1, 4]
@@ -259,7 +260,7 @@ def test_continuous_benchmark_writes_json_and_plot(tiny_model, tmp_path):
     written = json.loads((tmp_path / "continuous-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
     assert (tmp_path / "continuous-cpu.png").stat().st_size > 0
-    model = written["models"][tiny_model]
+    model = written["models"][harness.portable(tiny_model)]
 
     # a. mixed and staggered: both engines, both runs; step 4 computes exactly what was asked for
     for name in ("mixed", "staggered"):
@@ -312,6 +313,60 @@ def test_continuous_benchmark_writes_json_and_plot(tiny_model, tmp_path):
     assert "targets" in report and "blocks" in report
 
 
+def test_ladder_runs_every_step_from_5_against_the_one_before(tiny_model, tmp_path, monkeypatch):
+    """The ladder on the CPU: every step package from step 5 on (found by name: a later step joins by
+    existing), alternated over the runs, each step's ratio to the step before, a profile per step; the JSON
+    names the commit given in BENCHMARK_COMMIT (the GPU machine's copy of .git is stale) and holds no
+    absolute path of this machine."""
+    monkeypatch.setenv(harness.COMMIT_VARIABLE, "0123456789abcdef")
+    ladder.run([tiny_model], "cpu", runs=2, points={"batch 2": (2, 4, 3, 2)}, quick=True, out_dir=tmp_path)
+    text = (tmp_path / "quick" / "ladder-cpu.json").read_text()
+    written = json.loads(text)
+    assert written["machine"]["git_commit"] == "0123456789abcdef"
+    assert str(harness.ROOT) not in text and str(tmp_path) not in text and '"/' not in text
+    (model,) = written["models"].values()
+    point = model["points"]["batch 2"]
+    steps = sorted(
+        (p.name for p in harness.ROOT.glob("step[0-9]*_*") if int(p.name[4:].split("_")[0]) >= 5),
+        key=lambda name: int(name[4:].split("_")[0]),
+    )
+    names = [f"step{name[4:].split('_')[0]}" for name in steps]
+    assert list(point["median"]) == names  # no HF static cache on a CPU
+    for name in names:
+        assert [r["generated_tokens"] for r in point["runs"][name]] == [2 * 2 * 3] * 2  # 2 calls of 2 x 3
+    assert set(point["ratios"]) == {f"{b}/{a}" for a, b in zip(names, names[1:])}
+    for label, ratio in point["ratios"].items():
+        a, b = label.split("/")
+        expected = [
+            x["throughput_tok_s"] / y["throughput_tok_s"] for x, y in zip(point["runs"][a], point["runs"][b])
+        ]
+        assert ratio["per_run"] == pytest.approx(expected)
+    for name in names:
+        top = model["profiles"][name]["top_tottime"]
+        assert top and all(row["us_per_step"] >= 0 for row in top)
+    assert "step12/step11, the lowest of the points" in ladder.report(written)
+
+
+def test_portable_paths_name_what_ran_not_where():
+    """A benchmark record's strings lose this machine's absolute paths: the repository's become relative,
+    a library file keeps its path inside site-packages or the standard library, any other its last two
+    parts; ratios and units with a slash stay as they are."""
+    root = str(harness.ROOT)
+    assert harness.portable(
+        {
+            f"{root}/demo/checkpoint": [f"{root}/.venv/lib/python3.11/site-packages/torch/nn/module.py:1(f)"],
+            "stdlib": "/usr/lib/python3.12/asyncio/events.py:88(_run)",
+            "other": "model in /tmp/pytest-of-x/pytest-1/bench-tiny0",
+            "kept": "step9/step8 tok/s, 32 + 128 / 512",
+        }
+    ) == {
+        "demo/checkpoint": ["torch/nn/module.py:1(f)"],
+        "stdlib": "asyncio/events.py:88(_run)",
+        "other": "model in .../pytest-1/bench-tiny0",
+        "kept": "step9/step8 tok/s, 32 + 128 / 512",
+    }
+
+
 def test_percentile_and_target_lines():
     assert harness.percentile([], 95) is None
     assert harness.percentile([3.0, 1.0, 2.0], 50) == 2.0
@@ -344,7 +399,7 @@ def test_gpu_benchmark_writes_json_plot_and_profile(tiny_model, tmp_path):
     assert (tmp_path / "gpu-cpu.png").stat().st_size > 0
     assert written["machine"]["copy_bandwidth_bytes_per_s"] > 0
     assert written["workload"]["workloads"]["long"]["prompt_tokens"] == 12  # exactly what ran
-    model = written["models"][tiny_model]
+    model = written["models"][harness.portable(tiny_model)]
     step5 = importlib.util.find_spec("step5_flash_gpu") is not None
     step7 = importlib.util.find_spec("step7_cuda_graphs") is not None
     step8 = importlib.util.find_spec("step8_async_scheduling") is not None
@@ -430,7 +485,7 @@ def test_attention_benchmark_quick_path_matches_the_reference(tiny_model, tmp_pa
     assert written == json.loads(json.dumps(result))
     assert (tmp_path / "quick" / "attention-cpu.png").stat().st_size > 0
     assert written["machine"]["triton_interpreter"] and written["machine"]["copy_bandwidth_bytes_per_s"] > 0
-    model = written["models"][tiny_model]
+    model = written["models"][harness.portable(tiny_model)]
     assert model["config"]["n_head"] == 4 and model["config"]["head_dim"] == 8
 
     # a. prefill: T x (1 sequence, a batch of 2); every implementation equals the reference
@@ -542,7 +597,7 @@ def test_cuda_graphs_benchmark_breaks_a_step_down(tiny_model, tmp_path):
     result = cuda_graphs.run([tiny_model], "cpu", 1, spec, quick=True, out_dir=tmp_path)
     written = json.loads((tmp_path / "quick" / "cuda_graphs-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
-    model = written["models"][tiny_model]
+    model = written["models"][harness.portable(tiny_model)]
     assert model["ladder"] is None and [k["batch_size"] for k in model["kernels"]] == [1, 4]
     assert all(k["kernels"] > 0 for k in model["kernels"])
     for point in model["breakdown"]:
@@ -598,7 +653,7 @@ def test_async_scheduling_profile_finds_the_gaps_between_steps(tiny_model, tmp_p
     result = async_scheduling_profile.run([tiny_model], "cpu", spec, quick=True, out_dir=tmp_path)
     written = json.loads((tmp_path / "quick" / "async_scheduling_profile-cpu.json").read_text())
     assert written == json.loads(json.dumps(result))
-    engines = written["models"][tiny_model]["engines"]
+    engines = written["models"][harness.portable(tiny_model)]["engines"]
     assert set(engines) == {"step7", "step8"}
     for point in engines.values():
         assert point["ms_per_step"] > 0 and len(point["host_ranges_us"]) == spec["steps"]
@@ -619,13 +674,13 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
     second = gpu.run(
         [tiny_model], matrix={"bfloat16": {"short": ("step4",)}}, profile=None, merge=True, **common
     )
-    model = second["models"][tiny_model]
+    model = second["models"][harness.portable(tiny_model)]
     assert [(p["dtype"], set(p["median"])) for p in model["points"]] == [
         ("float32", {"step3", "step4"}),
         ("bfloat16", {"step4"}),
     ]
-    assert model["points"][0] == first["models"][tiny_model]["points"][0]  # kept as it was
-    assert model["profiles"] == first["models"][tiny_model]["profiles"] != {}
+    assert model["points"][0] == first["models"][harness.portable(tiny_model)]["points"][0]  # kept as it was
+    assert model["profiles"] == first["models"][harness.portable(tiny_model)]["profiles"] != {}
     assert second["workload"]["matrix"] == {
         "float32": {"short": ["step3", "step4"]},
         "bfloat16": {"short": ["step4"]},
@@ -639,7 +694,7 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
     third = gpu.run(
         [tiny_model], matrix={"float32": {"short": ("step4",)}}, profile=None, merge=True, **common
     )
-    points = third["models"][tiny_model]["points"]
+    points = third["models"][harness.portable(tiny_model)]["points"]
     assert [(p["dtype"], set(p["median"])) for p in points] == [
         ("bfloat16", {"step4"}),
         ("float32", {"step4"}),
@@ -651,7 +706,7 @@ def test_gpu_benchmark_merges_a_dtype_into_the_recorded_json(tiny_model, tmp_pat
     fourth = gpu.run(
         [tiny_model], matrix={"float32": {"long": ("step3",)}}, profile=None, merge=True, **common
     )
-    parts = [(p["dtype"], p["workload"]) for p in fourth["models"][tiny_model]["points"]]
+    parts = [(p["dtype"], p["workload"]) for p in fourth["models"][harness.portable(tiny_model)]["points"]]
     assert parts == [("bfloat16", "short"), ("float32", "short"), ("float32", "long")]
     assert fourth["workload"]["matrix"]["float32"] == {"short": ["step4"], "long": ["step3"]}
     assert sorted(x for r in fourth["earlier_runs"] for x in r["parts"]) == [

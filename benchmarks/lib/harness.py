@@ -15,8 +15,10 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
+import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +26,10 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
+ROOT = RESULTS.parent.parent  # the repository
+# the variable that names the commit of the code that runs, where git cannot tell (a copy of the tree
+# whose .git is stale, as the GPU machine's): BENCHMARK_COMMIT=$(git rev-parse HEAD) python -m benchmarks ...
+COMMIT_VARIABLE = "BENCHMARK_COMMIT"
 
 
 def machine_info(device: str, dtype: str) -> dict:
@@ -73,6 +79,9 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str | None:
+    """The commit of the code that runs: ``$BENCHMARK_COMMIT`` if set, else the repository's HEAD."""
+    if os.environ.get(COMMIT_VARIABLE):
+        return os.environ[COMMIT_VARIABLE]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -173,10 +182,42 @@ def ratio(a: list[dict], b: list[dict], key: str) -> dict:
 
 
 def write_json(path: Path, data: dict) -> Path:
-    """Write ``data`` as indented JSON, making the folder if needed. Returns ``path``."""
+    """Write ``data`` as indented JSON (its paths made ``portable``), making the folder if needed. Returns
+    ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(portable(data), indent=1) + "\n", encoding="utf-8")
     return path
+
+
+STDLIB = sysconfig.get_paths()["stdlib"] + "/"
+# an absolute path inside a string: a "/" that starts a word, then at least one folder
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~])/(?:[\w.+@-]+/)+[\w.+@-]*")
+
+
+def portable(data):
+    """``data`` (JSON-like: dicts, lists, strings, numbers) with every absolute path of this machine in its
+    strings and keys made machine-independent: a path in the repository relative to it
+    (``demo/checkpoint``), a Python library file from its ``site-packages/`` or standard library folder on
+    (``asyncio/events.py``), any other path its last two parts (``.../bench-tiny0/model``). A record
+    names what ran, not where it lay."""
+
+    def path(match: re.Match) -> str:
+        found = match.group(0)
+        if "site-packages/" in found:
+            return found.split("site-packages/", 1)[1]
+        if found.startswith(STDLIB) or re.search(r"/lib/python3\.\d+/", found):
+            return re.split(r"/lib/python3\.\d+/", found, maxsplit=1)[-1]
+        if Path(found).is_relative_to(ROOT):
+            return Path(found).relative_to(ROOT).as_posix() or "."
+        return ".../" + "/".join(Path(found).parts[-2:])
+
+    if isinstance(data, str):
+        return _ABSOLUTE_PATH.sub(path, data)
+    if isinstance(data, dict):
+        return {portable(k): portable(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [portable(v) for v in data]
+    return data
 
 
 def free(device: str | torch.device) -> None:
@@ -224,10 +265,11 @@ def finish(
     """The end of every benchmark: record the elapsed time, write the JSON and the PNG, print the table.
 
     A --quick run writes into ``<out_dir>/quick/`` (git-ignored), so that it never replaces the
-    recorded results that the READMEs quote.
+    recorded results that the READMEs quote. Returns the result as written (``portable``).
     """
     if result["workload"].get("quick"):
         out_dir = out_dir / "quick"
+    result = portable(result)
     result["elapsed_s"] = time.perf_counter() - started
     json_path = write_json(result_path(name, device, "json", out_dir), result)
     png_path = plot(result, result_path(name, device, "png", out_dir))

@@ -56,6 +56,15 @@ def hf_model(folder: Path, device: str = "cpu", dtype: str = "float32"):
     return GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
 
 
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let torch.compile keep a graph per shape (torch._dynamo's default, 8, would fall back to eager after
+    8 shapes): HF's static-cache ``generate`` meets a new shape at every benchmark point."""
+    import torch._dynamo
+
+    name = next(n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n))
+    setattr(torch._dynamo.config, name, limit)
+
+
 def cached_random_snapshot(name: str, seed: int = 0, **config) -> Path:
     """``benchmarks/.cache/<name>``: a random GPT-2 written by ``write_random_snapshot``, kept between runs.
 
