@@ -1,14 +1,10 @@
-"""The ladder: every step from 5 on, and HF's static cache, in one process and one run, so that no step is
-slower than the one before it with its own mechanism unused.
+"""The ladder: every step from 5 on and HF's static cache in one process and one run, so that no step is
+slower than the one before it with its own mechanism unused (the target: >= 0.97x at every point).
 
-Each step runs as a user gets it (its defaults: step 9's prefix cache on with nothing to share, step 10's
-engine core in process, no speculative config, ``kv_cache_dtype="auto"``) through ``LLM.generate``, greedy,
-``ignore_eos``, every request submitted at once, on new prompts in every run (nothing cached across runs).
-Points (``POINTS``): batch 1, 64 and 256 of 32 + 128 tokens, and 256 of 512 + 256. The engines alternate
-inside each run (``harness.alternate``); a figure is the median over runs, a ratio the median of per-run
-ratios. Each step against the one before: the target is >= 0.97 (a mechanism that taxes every request
-when unused is a defect). Then one ``LLM.generate`` of each step at batch 256 under cProfile: the host's
-time per engine step by function (``PROFILE``), to find such a tax.
+Each step runs as a user gets it (its defaults; nothing to share or speculate) through ``LLM.generate``,
+greedy, every request at once, new prompts every run (``POINTS``: batch 1, 64, 256 of 32 + 128, 256 of
+512 + 256), the engines alternated in each run; then one cProfiled generate per step at batch 256: the
+host's time per engine step by function, where a tax would show (``PROFILE``).
 
     python -m benchmarks ladder --device cuda --runs 5      # GPT-2 124M shapes, fp16 (the recorded run)
     python -m benchmarks ladder --quick                     # CPU, the demo, tiny points: checks that it runs

@@ -295,6 +295,36 @@ def test_several_steps_at_once_give_one_output_per_choice(demo_snapshot):
     assert "r" not in processor.requests
 
 
+def test_a_final_only_request_crosses_once_unless_the_frontend_needs_its_tokens(demo_snapshot, oracle):
+    """A FINAL_ONLY request (``LLM.generate``'s) without stop strings needs nothing from the core before it
+    finishes, as step 9's ``Sequence.output`` returns nothing till then: the core sends one output, every
+    token with the time it was made; with a stop string the frontend looks for, one output per token.
+    Either way ``LLM.generate`` gives step 9's output, one token time per token, in order."""
+    engine = LLM(model=str(demo_snapshot), **ENGINE_ARGS).engine
+    final = dict(max_tokens=12, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("plain", engine.tokenizer.encode(PROMPTS[0]), SamplingParams(**final))
+    engine.add_request("stop", engine.tokenizer.encode(PROMPTS[0]), SamplingParams(**final, stop=["zzz"]))
+    seen = {"plain": [], "stop": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    (plain,) = seen["plain"]
+    assert len(plain.new_token_ids) == 12 and plain.finish_reason == "length"
+    assert len(plain.token_times) == 12 and plain.token_times == sorted(plain.token_times)
+    assert [len(o.new_token_ids) for o in seen["stop"]] == [1] * 12
+    assert all(o.token_times is not None for o in seen["stop"])
+
+    llm = LLM(model=str(demo_snapshot), **ENGINE_ARGS)
+    (ours,) = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0))
+    (theirs,) = oracle.generate([PROMPTS[1]], step9_prefix_cache.SamplingParams(max_tokens=12, temperature=0))
+    assert (
+        ours.outputs[0].text == theirs.outputs[0].text
+        and ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+    )
+    times = ours.metrics.token_times
+    assert len(times) == 12 and times == sorted(times) and times[0] >= ours.metrics.arrival_time
+
+
 def test_messages_are_msgspec_never_pickle(llm):
     """Every frame the core sent decodes with msgspec alone, untyped, into plain lists (array_like, the tag
     first); the inputs too; no module of the step uses pickle."""

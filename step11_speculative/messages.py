@@ -42,11 +42,13 @@ EngineCoreInput = EngineCoreRequest | EngineCoreAbort
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True):
-    """What one choice of a request got in one step: the new token ids (one per step; none when aborted),
-    their logprobs if asked for (``{token id: Logprob}`` per token, as ``CompletionOutput.logprobs``), and
-    the core's finish reason: "stop" (end of sequence or a stop token: stop_reason is the token's id, None
-    for end of sequence), "length" (max_tokens or the window) or "abort". error: why the core refused the
-    request (it passed the frontend's checks: the core's own word), or None."""
+    """What one choice of a request got since its last output: the new token ids (one per step; none when
+    aborted; a FINAL_ONLY request without stop strings: all of them, once, when it finishes, with
+    ``token_times``, when each was made, in seconds of ``time.perf_counter()``), their logprobs if asked
+    for (``{token id: Logprob}`` per token, as ``CompletionOutput.logprobs``), and the core's finish
+    reason: "stop" (end of sequence or a stop token: stop_reason is the token's id, None for end of
+    sequence), "length" (max_tokens or the window) or "abort". error: why the core refused the request (it
+    passed the frontend's checks: the core's own word), or None."""
 
     request_id: str
     index: int
@@ -55,6 +57,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
     stop_reason: int | None = None
     error: str | None = None
+    token_times: list[float] | None = None
 
 
 class EngineCoreStats(msgspec.Struct, array_like=True):

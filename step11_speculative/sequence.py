@@ -3,7 +3,8 @@
 A ``Sequence`` holds one request's token ids, its sampling parameters, its random generator and its
 stopping rules. ``append`` takes each sampled token and decides whether the request is done: an
 end-of-sequence or stop token, ``max_tokens``, the context window. ``output`` says what is new since the
-last output, as token ids (``EngineCoreOutput``): the engine core makes no text. Text, stop strings and
+last output, as token ids (``EngineCoreOutput``; a request that wants only its final output, once): the
+engine core makes no text. Text, stop strings and
 ``RequestOutput`` are the frontend's (output_processor.py), in the other process; a stop string the
 frontend finds aborts the request here. A request of ``SamplingParams.n`` > 1 choices is n sequences
 under one ``ParentRequest`` (parallel_sampling.py).
@@ -20,7 +21,7 @@ from common.tokenizer import Tokenizer
 
 from .messages import EngineCoreOutput
 from .parallel_sampling import ParentRequest
-from .sampling_params import Logprob, SamplingParams
+from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -176,9 +177,15 @@ class Sequence:
         self.stop_reason = stop_reason
         self.metrics.finished_time = time.perf_counter()
 
-    def output(self) -> EngineCoreOutput:
+    def output(self) -> EngineCoreOutput | None:
         """What is new since the last output: token ids, their logprobs, the finish reason; under the
-        request's id and the choice's index (the frontend gathers a request's n choices)."""
+        request's id and the choice's index (the frontend gathers a request's n choices). A request that
+        wants only its final output (FINAL_ONLY: ``LLM.generate``) and has no stop string for the frontend
+        to look for needs nothing before it finishes, as in step 9: None until then, and then every token
+        at once, with the times they were made (``token_times``)."""
+        final_only = self.params.output_kind is RequestOutputKind.FINAL_ONLY
+        if final_only and not self.params.stop and not self.finished:
+            return None
         sent, self.num_sent_tokens = self.num_sent_tokens, len(self.output_token_ids)
         return EngineCoreOutput(
             request_id=(self.parent or self).request_id,
@@ -187,4 +194,5 @@ class Sequence:
             new_logprobs=None if self.logprobs is None else self.logprobs[sent:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            token_times=self.metrics.token_times[sent:] if final_only else None,
         )

@@ -222,9 +222,9 @@ class LLMEngine:
         process the tokens of the step before (async scheduling) or of this one (serial): append them,
         retire the finished.
 
-        Returns one output per sequence that got a token (or was aborted): with async scheduling, those of
-        the step launched by the previous call; a call with nothing to schedule only reads the step in
-        flight.
+        Returns the outputs due (``Sequence.output``: one per sequence that got a token or was aborted, but
+        for FINAL_ONLY requests that have not finished): with async scheduling, those of the step launched
+        by the previous call; a call with nothing to schedule only reads the step in flight.
         """
         outputs, self.aborted = self.aborted, []
         speculating = self.speculating()
@@ -288,16 +288,18 @@ class LLMEngine:
 
     def process_outputs(self, launched: AsyncModelRunnerOutput) -> list[EngineCoreOutput]:
         """Wait for a launched step's tokens, append them to their sequences, retire the finished ones;
-        returns each sequence's output. A sequence that finished (or was aborted) after that step was launched
-        gets nothing: its token is one position past its end. A verified sequence appends its accepted drafts
-        and the token after them, up to the first that finishes it (nothing after that one is kept, nor
-        counted as accepted); its blocks past its new length, which held only rejected drafts, go back."""
+        returns the outputs due (``Sequence.output``). A sequence that finished (or was aborted) after that
+        step was launched gets nothing: its token is one position past its end. A verified sequence appends
+        its accepted drafts and the token after them, up to the first that finishes it (nothing after that
+        one is kept, nor counted as accepted); its blocks past its new length, which held only rejected
+        drafts, go back."""
         outputs = []
         for seq, token_id, token_logprobs in zip(launched.seqs, *launched.get_output()):
             if seq.finished:
                 continue
             seq.append(token_id, token_logprobs)
-            outputs.append(seq.output())
+            if (out := seq.output()) is not None:
+                outputs.append(out)
             if seq.finished:  # leaves the batch now; its blocks are free for the next step
                 # Its blocks may still be written by the step in flight; a later step that reuses them is
                 # queued behind it on the same stream, so it reads and writes them only after that one.
@@ -315,7 +317,8 @@ class LLMEngine:
             if not seq.finished:  # the blocks that held only rejected drafts go back
                 self.block_manager.trim(seq.request_id, len(seq))
                 self.model_runner.input_batch.trim(seq.request_id, self.block_manager.blocks_for(len(seq)))
-            outputs.append(seq.output())
+            if (out := seq.output()) is not None:
+                outputs.append(out)
             if seq.finished:
                 self.scheduler.finish(seq)
                 self.retire(seq)

@@ -46,28 +46,34 @@ class ChoiceState:
 
     def append(
         self,
-        token_id: int,
-        logprobs: dict[int, Logprob] | None,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob]] | None,
         finish_reason: str | None,
         stop_reason: int | None,
+        token_times: list[float] | None = None,
     ) -> None:
-        """Add a token the core sampled, with the core's finish at it (or None); release text; a stop
-        string may finish the choice. The core's order is step 9's: a stop token or the end of sequence
-        ends it before any stop string is looked for; a stop string before max_tokens or the window."""
-        self.output_token_ids.append(token_id)
-        if self.logprobs is not None:
-            self.logprobs.append(logprobs)
-        self.metrics.token_times.append(time.perf_counter())
-        if token_id not in self.special_token_ids:
-            self.pending += self.detokenizer.push(token_id)
-        hit = None
-        if finish_reason == "stop":  # a stop token or the end of sequence
-            self.finish("stop", stop_reason)
-        elif self.params.stop and (hit := self._first_stop_string()) is not None:
-            cut, stop = hit
-            self.finish("stop", stop_reason=stop)
-            self.pending = self.pending[:cut]
-        elif finish_reason is not None:  # "length"
+        """Add the tokens the core sampled for this choice since its last output (``EngineCoreOutput``: one
+        a step; a FINAL_ONLY request's all at once, made at ``token_times``, else now), with the core's
+        finish at the last of them (or None); release text; a stop string may finish the choice at any of
+        them (the tokens after it are dropped). The core's order is step 9's: a stop token or the end of
+        sequence ends it before any stop string is looked for; a stop string before max_tokens or the
+        window."""
+        hit, last, now = None, len(token_ids) - 1, time.perf_counter()
+        for i, token_id in enumerate(token_ids):
+            self.output_token_ids.append(token_id)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            self.metrics.token_times.append(token_times[i] if token_times else now)
+            if token_id not in self.special_token_ids:
+                self.pending += self.detokenizer.push(token_id)
+            if i == last and finish_reason == "stop":  # a stop token or the end of sequence
+                break
+            if self.params.stop and (hit := self._first_stop_string()) is not None:
+                cut, stop = hit
+                self.finish("stop", stop_reason=stop)
+                self.pending = self.pending[:cut]
+                break
+        if not self.finished and finish_reason is not None:
             self.finish(finish_reason, stop_reason)
         if self.finished:
             if hit is None:  # text after a stop string is dropped; anything else is flushed
@@ -235,20 +241,12 @@ class OutputProcessor:
             choice = state.choices[out.index]
             if choice.finished:
                 continue  # tokens the core made after a stop string, before the abort reached it
-            if not out.new_token_ids:  # aborted in the core
-                choice.finish(out.finish_reason or "abort", out.stop_reason)
-            last = len(out.new_token_ids) - 1
-            for i, token_id in enumerate(out.new_token_ids):
-                logprobs = None if out.new_logprobs is None else out.new_logprobs[i]
-                at_end = i == last
+            if out.new_token_ids:
                 choice.append(
-                    token_id,
-                    logprobs,
-                    out.finish_reason if at_end else None,
-                    out.stop_reason if at_end else None,
+                    out.new_token_ids, out.new_logprobs, out.finish_reason, out.stop_reason, out.token_times
                 )
-                if choice.finished:
-                    break
+            else:  # aborted in the core
+                choice.finish(out.finish_reason or "abort", out.stop_reason)
             if choice.finished and out.finish_reason is None:  # a stop string: the core goes on till told
                 done.to_abort.append((out.request_id, out.index))
             finished = choice.finished and state.finished

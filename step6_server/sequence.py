@@ -154,7 +154,7 @@ class Sequence:
             self.finish("stop", stop_reason=token_id)
         elif token_id == self.eos_token_id:
             self.finish("stop")
-        elif (hit := self._first_stop_string()) is not None:
+        elif self.params.stop and (hit := self._first_stop_string()) is not None:
             cut, stop = hit
             self.finish("stop", stop_reason=stop)
             self.pending = self.pending[:cut]
@@ -163,6 +163,8 @@ class Sequence:
         if self.finished:
             if hit is None:  # text after a stop string is dropped; anything else is flushed
                 self.pending += self.detokenizer.flush()
+            released, self.pending = self.pending, ""
+        elif not self.params.stop:  # nothing to hold back
             released, self.pending = self.pending, ""
         else:
             held = self._stop_prefix_length()
