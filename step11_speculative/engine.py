@@ -284,6 +284,7 @@ class LLMEngine:
             if drafts and not seq.finished:  # the blocks that held only rejected drafts go back
                 self.block_manager.trim(seq.request_id, len(seq))
                 self.model_runner.input_batch.trim(seq.request_id, self.block_manager.blocks_for(len(seq)))
+                self.proposer.rollback(seq.request_id, len(seq) - 1)  # and the draft's rejected keys
             outputs.append(seq.output())
             if seq.finished:  # leaves the batch now; its blocks are free for the next step
                 # Its blocks may still be written by the step in flight; a later step that reuses them is

@@ -161,6 +161,9 @@ class NgramProposer:
         for seq, k in zip(seqs, ks):
             seq.spec_token_ids = self.propose(seq.token_ids, k)
 
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        """Nothing to roll back: prompt lookup keeps no state (draft_model.py's keeps keys)."""
+
     def release(self, seq_id: str) -> None:
         """Nothing to give back: prompt lookup keeps no state."""
 
