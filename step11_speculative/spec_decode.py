@@ -23,7 +23,8 @@ METHODS = ("ngram", "draft_model")
 
 @dataclass
 class SpeculativeConfig:
-    """What to speculate with (vLLM's names). method: "ngram" (prompt lookup) or "draft_model";
+    """What to speculate with (vLLM's names). method: "ngram" (prompt lookup) or "draft_model", required
+    unless a model is given, which makes it "draft_model" (vLLM infers the method from the model);
     num_speculative_tokens: k, the guesses verified per step; prompt_lookup_min / prompt_lookup_max: the
     n-gram lengths tried, longest first ("ngram" only); model: the draft model ("draft_model" only);
     disable_by_batch_size: no speculation while the batch, the running and waiting requests up to
@@ -32,7 +33,7 @@ class SpeculativeConfig:
     steps verified drafts, which the batch can decide (this limit; drafts cut by the token budget or the
     free blocks): the same seed gives the same tokens for the same requests, not under any load."""
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
@@ -42,7 +43,8 @@ class SpeculativeConfig:
     @classmethod
     def make(cls, value: dict | str | None) -> SpeculativeConfig | None:
         """The checked config of ``value`` (a dict, its JSON text, or None: off). Raises ValueError
-        naming the field: "speculative_config.<field>=<value>: must be ..."."""
+        naming the field: "speculative_config.<field>=<value>: must be ...", or "speculative_config.method:
+        required ..." when neither a method nor a model is given (``{}``: vLLM refuses it too)."""
         if value is None:
             return None
         if isinstance(value, str):
@@ -58,9 +60,12 @@ class SpeculativeConfig:
         for name in value:
             if name not in known:
                 raise ValueError(f"speculative_config.{name}: unknown field (known: {sorted(known)})")
-            if name in ("prompt_lookup_min", "prompt_lookup_max") and value.get("method") == "draft_model":
-                raise ValueError(f"speculative_config.{name}: for method 'ngram' only (not a draft's)")
         config = cls(**value)
+        if config.method is None and config.model is not None:  # a draft model names the method
+            config.method = "draft_model"
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if name in value and config.method == "draft_model":
+                raise ValueError(f"speculative_config.{name}: for method 'ngram' only (not a draft's)")
         config.check()
         return config
 
@@ -69,6 +74,11 @@ class SpeculativeConfig:
             return ValueError(f"speculative_config.{name}={getattr(self, name)!r}: must be {allowed}")
 
         count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+        if self.method is None:
+            raise ValueError(
+                f"speculative_config.method: required (one of {list(METHODS)}; or a draft model in "
+                "speculative_config.model)"
+            )
         if self.method not in METHODS:
             raise bad("method", f"one of {list(METHODS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):

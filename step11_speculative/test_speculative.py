@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import httpx
@@ -437,23 +438,43 @@ def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
 @pytest.mark.parametrize(
     "config, named",
     [
+        ({}, "speculative_config.method: required (one of ['ngram', 'draft_model']"),
+        ("{}", "speculative_config.method: required"),
+        ({"num_speculative_tokens": 2, "method": None}, "speculative_config.method: required"),
         ({"method": "medusa"}, "speculative_config.method"),
-        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-        ({"num_speculative_tokens": 512}, "speculative_config.num_speculative_tokens=512: must be less than"),
-        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
-        ({"disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+        ({**NGRAM, "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({**NGRAM, "num_speculative_tokens": 512}, "num_speculative_tokens=512: must be less than the"),
+        ({**NGRAM, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+        ({**NGRAM, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
         ({"num_speculative_token": 2}, "speculative_config.num_speculative_token"),
         ({"method": "draft_model"}, "speculative_config.model"),
-        ({"model": "demo"}, "speculative_config.model"),
+        ({"method": "ngram", "model": "demo"}, "speculative_config.model"),
         ({"method": "draft_model", "model": "demo/draft", "prompt_lookup_min": 2}, "prompt_lookup_min: for"),
+        ({"model": "demo/draft", "prompt_lookup_max": 2}, "prompt_lookup_max: for"),  # a draft_model's
         ({"method": "draft_model", "model": ""}, "speculative_config.model='': model '': no such folder"),
         ("{not json", "speculative_config="),
         ([1], "speculative_config="),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_field(demo_snapshot, config, named):
-    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(named)):
         EngineArgs(model=str(demo_snapshot), speculative_config=config)
+
+
+def test_a_config_needs_a_method_or_a_model(demo_snapshot, run_main):
+    """As vLLM's SpeculativeConfig: a model without a method drafts with that model ("draft_model"); with
+    neither ({}) the config is refused naming method, also on the server's command line: one line on
+    stderr, exit status 2, before any model loads."""
+    from .__main__ import main as cli_main
+
+    args = EngineArgs(model=str(demo_snapshot), speculative_config={"model": "demo/draft"})
+    assert args.speculative.method == "draft_model" and args.draft_folder.name == "draft"
+    status, out, err = run_main(cli_main, ["--model", "demo", "--port", "0", "--speculative-config", "{}"])
+    assert status == 2 and out == "", err
+    assert err == (
+        "error: speculative_config.method: required (one of ['ngram', 'draft_model']; or a draft model in "
+        "speculative_config.model)\n"
+    )
 
 
 @pytest.mark.parametrize("draft", [None, "demo/draft"])
