@@ -163,8 +163,8 @@ class EngineArgs:
     )
     speculative_config: dict | str | None = engine_arg(
         None,
-        "speculative decoding, vLLM's fields as JSON: method ('ngram' or 'draft_model'), "
-        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model (the draft), "
+        "speculative decoding, vLLM's fields as JSON: method ('ngram' or 'draft_model'; required unless a "
+        "model is given), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model (the draft), "
         "disable_by_batch_size (no drafts while this many requests run or wait, up to max_num_seqs; default "
         "128; null: always); steps that speculate run without async scheduling's overlap",
         (lambda value: value is None or isinstance(value, (dict, str)), "a dict, its JSON text, or None"),

@@ -6,7 +6,8 @@ graphs on the target's ladder of batch sizes): one or two over each lane's last 
 were accepted), the last drafting d1, then k - 1 passes, each over the draft before. A sequence the draft
 has not seen (its first step, or one after steps without drafts) is brought up to its last token by an eager
 prefill first. Greedy requests draft the argmax; sampled ones draw from the draft's warped law q, kept in
-``Sequence.spec_probs`` for the rejection sampler. Each step the draft rolls back to the accepted tokens.
+``Sequence.spec_probs`` for the rejection sampler. A draft's key counts once its verification accepts it
+(``rollback``, from the engine), so that no rejected draft's stays through a pause in drafting.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ MAX_CATCH_UP = 2  # tokens a step feeds a lane by decode passes; more (a first s
 class DraftModelProposer:
     """Drafts with the model in ``folder`` on the target's device, dtype, attention backend and block size,
     in a pool of ``num_blocks`` blocks of its own (and a scratch block), for up to ``max_num_seqs``
-    sequences a step (``propose_all``, ``release``; ``capture_cudagraphs`` on a CUDA device)."""
+    sequences a step (``propose_all``, ``rollback``, ``release``; ``capture_cudagraphs`` on a CUDA device)."""
 
     def __init__(
         self,
@@ -50,7 +51,9 @@ class DraftModelProposer:
         self.scratch_slot = num_blocks * block_size  # where padding lanes write
         self.free_blocks = list(range(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
-        self.num_computed: dict[str, int] = {}  # tokens of each sequence whose keys the draft holds
+        self.num_computed: dict[str, int] = {}  # tokens of each sequence (no drafts) whose keys it holds
+        # tokens whose keys the last proposal wrote (its drafts' included), until its verification (rollback)
+        self.num_written: dict[str, int] = {}
         self.capture_sizes = capture_sizes(max_num_seqs)  # the ladder a pass is padded to
         self.max_blocks = blocks_for(self.model.config.n_positions, block_size)  # block-table width
         B = max(self.capture_sizes)
@@ -75,9 +78,8 @@ class DraftModelProposer:
         for seq, k in zip(seqs, ks):
             seq.spec_token_ids, seq.spec_probs = [], None
             table = self.block_tables.setdefault(seq.request_id, [])
-            # its keys past the accepted tokens are stale: rejected drafts, or drafts never verified (dropped
-            # for want of room, or preempted); the step starts at its last token, or earlier
-            self.num_computed[seq.request_id] = min(self.num_computed.get(seq.request_id, 0), len(seq) - 1)
+            self.num_computed.setdefault(seq.request_id, 0)  # below len(seq): a step feeds its last token
+            self.num_written.pop(seq.request_id, None)  # drafts never verified (dropped for want of room)
             need = blocks_for(len(seq) + k - 1, self.block_size) - len(table)
             if k >= 1 and need <= len(self.free_blocks):
                 table += [self.free_blocks.pop() for _ in range(max(need, 0))]
@@ -124,7 +126,8 @@ class DraftModelProposer:
         for (seq, k), row, lane_probs in zip(lanes, host, probs):
             seq.spec_token_ids = row[:k]
             seq.spec_probs = torch.stack(lane_probs) if lane_probs else None  # [k, V]
-            self.num_computed[seq.request_id] = len(seq) + k - 1  # d_k itself is never fed
+            self.num_computed[seq.request_id] = len(seq)  # its own tokens; its drafts' keys wait for rollback
+            self.num_written[seq.request_id] = len(seq) + k - 1  # d_k itself is never fed
 
     def plan(self, seqs: list[Sequence], ks: np.ndarray, catch_up: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's decode passes, lane by lane: ``catch_up`` passes over each lane's last tokens (the
@@ -232,8 +235,21 @@ class DraftModelProposer:
         )
         return self.graph_runner.capture()
 
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        """A verification's outcome is known: the draft keeps keys for the sequence's first ``num_tokens``
+        tokens at most, its tokens before the drafts and the accepted drafts (the token the target chose
+        after them is fed at the next proposal); the rejected drafts' keys are no longer counted. The
+        engine calls it for every verified sequence, so that one that stops drafting for a while (the batch
+        at ``disable_by_batch_size``) never takes a rejected draft's key for its own token's. vLLM does the
+        same in its scheduler (``update_from_output``: the computed tokens less the rejected drafts).
+        Unknown ids are ignored."""
+        if seq_id in self.num_computed:
+            written = self.num_written.pop(seq_id, self.num_computed[seq_id])
+            self.num_computed[seq_id] = min(written, num_tokens)
+
     def release(self, seq_id: str) -> None:
         """A sequence has finished: its draft blocks go back."""
         if seq_id in self.block_tables:
             self.free_blocks += self.block_tables.pop(seq_id)
             del self.num_computed[seq_id]
+            self.num_written.pop(seq_id, None)

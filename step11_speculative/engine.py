@@ -24,12 +24,12 @@ from .kv_cache import PagedKVCache
 from .messages import EngineCoreOutput
 from .model import GPT, kernels
 from .model_runner import AsyncModelRunnerOutput, ModelRunner
+from .ngram_proposer import NgramProposer
 from .parallel_sampling import ParentRequest
 from .processor import Processor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import Sequence
-from .spec_decode import NgramProposer
 
 
 class LLMEngine:
@@ -239,10 +239,11 @@ class LLMEngine:
         return spec.disable_by_batch_size is None or batch < spec.disable_by_batch_size
 
     def propose(self) -> None:
-        """Draft the next tokens of every running sequence that may speculate (spec_decode.py): k, or fewer
-        where the window (max_model_len) leaves less room (the verification emits up to k + 1). Not cut at
-        a sequence's max_tokens: what passes it is verified and dropped (``Sequence.append`` ends the
-        sequence there), so that a step near the end of a request stays uniform (a CUDA graph)."""
+        """Draft the next tokens of every running sequence that may speculate (ngram_proposer.py,
+        draft_model.py): k, or fewer where the window (max_model_len) leaves less room (the verification
+        emits up to k + 1). Not cut at a sequence's max_tokens: what passes it is verified and dropped
+        (``Sequence.append`` ends the sequence there), so that a step near the end of a request stays
+        uniform (a CUDA graph)."""
         spec, running = self.speculative, self.scheduler.running
         seqs = [seq for seq in running if seq.params.logprobs is None and not uses_penalty(seq.params)]
         ks = [min(spec.num_speculative_tokens, self.max_model_len - len(seq) - 1) for seq in seqs]
@@ -295,6 +296,7 @@ class LLMEngine:
             if not seq.finished:  # the blocks that held only rejected drafts go back
                 self.block_manager.trim(seq.request_id, len(seq))
                 self.model_runner.input_batch.trim(seq.request_id, self.block_manager.blocks_for(len(seq)))
+                self.proposer.rollback(seq.request_id, len(seq) - 1)  # and the draft's rejected keys
             if (out := seq.output()) is not None:
                 outputs.append(out)
             if seq.finished:

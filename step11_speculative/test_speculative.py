@@ -5,13 +5,16 @@ over prompts that repeat themselves and prompts that do not, k from 1 to 5, bloc
 drafts cross block edges and rejected tails are given back), stop tokens and max_tokens inside an accepted
 run, preemption, aborts, the prefix cache, the engine core in a child process and the server. The rejection
 sampler alone: its output law is the target's warped distribution (total variation <= 0.01), greedy exact,
-seeded lanes reproducible. The config: every bad field named; a draft with another tokenizer refused.
+seeded lanes reproducible. A draft model: its keys rolled back to the accepted tokens as each verification
+is known, through pauses in drafting; its drafts equal a fresh draft's. The config: every bad field named; a
+draft with another tokenizer refused.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import httpx
@@ -23,9 +26,10 @@ from .cuda_graph import padded_size
 from .engine import LLMEngine
 from .input_batch import PADDING_ROW
 from .llm import LLM
+from .ngram_proposer import NgramProposer
 from .rejection_sampler import rejection_sample, warp
 from .sampling_params import SamplingParams
-from .spec_decode import NgramProposer, SpeculativeConfig
+from .spec_decode import SpeculativeConfig
 
 BLOCK = 4
 DEMO_DRAFT_ACCEPTANCE_FLOOR = 0.1  # the demo draft over PROMPTS, 40 greedy tokens, k = 4: measured 0.15
@@ -481,23 +485,43 @@ def test_drafts_stop_at_the_window_not_at_max_tokens(demo_snapshot):
 @pytest.mark.parametrize(
     "config, named",
     [
+        ({}, "speculative_config.method: required (one of ['ngram', 'draft_model']"),
+        ("{}", "speculative_config.method: required"),
+        ({"num_speculative_tokens": 2, "method": None}, "speculative_config.method: required"),
         ({"method": "medusa"}, "speculative_config.method"),
-        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-        ({"num_speculative_tokens": 512}, "speculative_config.num_speculative_tokens=512: must be less than"),
-        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
-        ({"disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+        ({**NGRAM, "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({**NGRAM, "num_speculative_tokens": 512}, "num_speculative_tokens=512: must be less than the"),
+        ({**NGRAM, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+        ({**NGRAM, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
         ({"num_speculative_token": 2}, "speculative_config.num_speculative_token"),
         ({"method": "draft_model"}, "speculative_config.model"),
-        ({"model": "demo"}, "speculative_config.model"),
+        ({"method": "ngram", "model": "demo"}, "speculative_config.model"),
         ({"method": "draft_model", "model": "demo/draft", "prompt_lookup_min": 2}, "prompt_lookup_min: for"),
+        ({"model": "demo/draft", "prompt_lookup_max": 2}, "prompt_lookup_max: for"),  # a draft_model's
         ({"method": "draft_model", "model": ""}, "speculative_config.model='': model '': no such folder"),
         ("{not json", "speculative_config="),
         ([1], "speculative_config="),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_field(demo_snapshot, config, named):
-    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(named)):
         EngineArgs(model=str(demo_snapshot), speculative_config=config)
+
+
+def test_a_config_needs_a_method_or_a_model(demo_snapshot, run_main):
+    """As vLLM's SpeculativeConfig: a model without a method drafts with that model ("draft_model"); with
+    neither ({}) the config is refused naming method, also on the server's command line: one line on
+    stderr, exit status 2, before any model loads."""
+    from .__main__ import main as cli_main
+
+    args = EngineArgs(model=str(demo_snapshot), speculative_config={"model": "demo/draft"})
+    assert args.speculative.method == "draft_model" and args.draft_folder.name == "draft"
+    status, out, err = run_main(cli_main, ["--model", "demo", "--port", "0", "--speculative-config", "{}"])
+    assert status == 2 and out == "", err
+    assert err == (
+        "error: speculative_config.method: required (one of ['ngram', 'draft_model']; or a draft model in "
+        "speculative_config.model)\n"
+    )
 
 
 @pytest.mark.parametrize("draft", [None, "demo/draft"])
@@ -639,10 +663,12 @@ def test_a_draft_model_keeps_the_greedy_output(demo_snapshot, plain, random_draf
 def test_the_draft_passes_propose_the_drafts_greedy_continuation(demo_snapshot, plain):
     """The proposer alone, the demo drafting for itself, over 30 steps of 3-5 sequences of other lengths
     and k (1-4; 0: none this step, its blocks given back), each step accepting a random number of the
-    drafts and the next true token: every draft equals the plain engine's greedy continuation of its
+    drafts and the next true token (the engine's ``rollback``), or none when the drafts were dropped
+    unverified (no rollback: one true token), and at times 1-3 steps without any proposal (drafting
+    paused, one true token each): every draft equals the plain engine's greedy continuation of its
     sequence, whether the draft caught up by one decode pass, two, or an eager prefill (a new sequence,
-    or one back after a step without drafts); the passes are padded to rungs (an idle lane writes the
-    scratch slot) and every block comes back."""
+    one back after a step without drafts, or after a pause); the passes are padded to rungs (an idle lane
+    writes the scratch slot) and every block comes back."""
     from .draft_model import DraftModelProposer
     from .sequence import Sequence
 
@@ -676,11 +702,68 @@ def test_the_draft_passes_propose_the_drafts_greedy_continuation(demo_snapshot, 
         for i, k in zip(live, ks):
             seq, n = seqs[i], len(seqs[i])
             assert seq.spec_token_ids == (greedy(i)[n : n + k] if k else []), (step, i, k)
-            accepted = rng.randint(0, k)
+            verified = k >= 1 and rng.random() < 0.8  # else dropped unverified (no room in the step)
+            accepted = rng.randint(0, k) if verified else 0
             seq.token_ids += greedy(i)[n : n + accepted + 1]
+            if verified:
+                proposer.rollback(seq.request_id, len(seq) - 1)
+        for _ in range(rng.choice([0, 0, 0, 1, 3])):  # steps without proposals: one true token each
+            for i in live:
+                seqs[i].token_ids += greedy(i)[len(seqs[i]) : len(seqs[i]) + 1]
     assert set(gaps) == {1, 2} and widths and set(widths) <= {1, 2, 4, 8}
     proposer.propose_all([], [])
     assert len(proposer.free_blocks) == 160 and not proposer.block_tables
+
+
+@pytest.mark.parametrize("load", ["pauses", "short of blocks"])
+def test_the_draft_rolls_back_when_its_verification_is_known(demo_snapshot, plain, load):
+    """The demo's draft, its drafting paused and resumed: two requests decode, and a one-token request joins
+    every third step, bringing the batch to disable_by_batch_size (3), so that drafting stops for a step or
+    two; or six requests in a pool of 24 blocks of 4, so that drafts are dropped for want of room and
+    sequences preempted. After every step each sequence's draft holds keys for its accepted tokens at most
+    (a rejected draft's key goes when its verification is known, not at the next proposal, which a pause
+    puts off), and every draft proposed equals a fresh draft's, one that computes the same tokens from
+    scratch (in a pool of its own, large enough). Greedy ids equal speculation off."""
+    from .draft_model import DraftModelProposer
+
+    config = {"method": "draft_model", "model": "demo/draft", "num_speculative_tokens": 4}
+    prompts, args = PROMPTS, {"num_kv_blocks": 24, "max_num_seqs": 6}  # the draft's own pool as small
+    if load == "pauses":
+        prompts, args, config = [PROMPTS[0], PROMPTS[2]], {}, {**config, "disable_by_batch_size": 3}
+    engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK, speculative_config=config, **args)
+    draft = engine.proposer
+    fresh = DraftModelProposer(engine.args.draft_folder, "cpu", torch.float32, "torch", BLOCK, 96, 8)
+    propose_all, proposals, unverified = draft.propose_all, [], 0
+
+    def checked(seqs, ks):
+        nonlocal unverified
+        unverified += len(draft.num_written)  # drafts dropped unverified, or preempted, since the last call
+        fresh.propose_all(seqs, ks)  # a draft that has seen none of them: a prefill of every token
+        want = [seq.spec_token_ids for seq in seqs]
+        fresh.propose_all([], [])  # and forgets them
+        propose_all(seqs, ks)
+        proposals.extend((seq.spec_token_ids, w) for seq, w in zip(seqs, want) if seq.spec_token_ids)
+
+    draft.propose_all = checked
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0))
+    got, steps, paused = {}, 0, 0
+    while engine.has_unfinished_requests():
+        if load == "pauses" and steps % 3 == 2 and steps < 30:
+            engine.add_request(f"one{steps}", PROMPTS[1], SamplingParams(max_tokens=1, temperature=0))
+        paused += not engine.speculating()
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+        for seq in engine.scheduler.running:
+            assert draft.num_computed.get(seq.request_id, 0) <= len(seq) - 1, (steps, seq.request_id)
+    assert [got[str(i)] for i in range(len(prompts))] == greedy_ids(plain, prompts)
+    assert len(proposals) >= 20 and engine.stats.spec_decode_num_accepted_tokens > 0
+    if load == "pauses":
+        assert paused >= 5
+    else:
+        assert engine.stats.num_preemptions > 0 and unverified > 0
+    assert [(got, want) for got, want in proposals if got != want] == []
 
 
 def test_the_demo_draft_keeps_the_greedy_output_and_guesses_well(demo_snapshot, plain):

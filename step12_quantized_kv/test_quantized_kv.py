@@ -5,7 +5,8 @@ within each mode's error bound; the Triton kernel (interpreter) equal to the pla
 and fp8 pools (prefill and decode, paged, block sizes 4 / 8 / 16, lanes crossing blocks); a pool of stale
 NaN / Inf never read; the capacity arithmetic; "auto" exactly step 11; int8 and fp8 greedy continuations of
 the demo checkpoint equal auto's over 48 tokens; prefix caching, copy-on-write (n > 1), preemption and
-speculative decoding on 8-bit blocks equal the same engine without them; int8 and fp8 through the server.
+speculative decoding on 8-bit blocks equal the same engine without them (a draft model's keys rolled back
+as each verification is known); int8 and fp8 through the server.
 """
 
 from __future__ import annotations
@@ -369,6 +370,37 @@ def test_preemption_and_speculation_on_8_bit_blocks(demo_snapshot, quant):
             got[out.request_id] += out.new_token_ids
     assert engine.stats.num_preemptions > 0 and engine.stats.spec_decode_num_drafts > 0
     assert [got[str(i)] for i in range(len(PROMPTS))] == want
+
+
+def test_a_draft_models_keys_roll_back_on_8_bit_blocks(demo_snapshot, quant):
+    """The demo's draft over 8-bit target blocks (its own pool in the model's dtype), drafting paused by
+    disable_by_batch_size (3) when a one-token request joins, every third step: after every step each
+    sequence's draft holds keys for its accepted tokens at most (step 11's rollback, called as its
+    verification is known), and the greedy ids equal the same 8-bit engine's without speculation."""
+    mode = quant.engine.args.kv_cache_dtype
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    want = greedy_ids(quant, prompts, max_tokens=40)
+    spec = {"method": "draft_model", "model": "demo/draft", "num_speculative_tokens": 4}
+    engine = LLMEngine(
+        model=str(demo_snapshot),
+        block_size=BLOCK,
+        kv_cache_dtype=mode,
+        speculative_config={**spec, "disable_by_batch_size": 3},
+    )
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0))
+    got, steps, paused = {}, 0, 0
+    while engine.has_unfinished_requests():
+        if steps % 3 == 2 and steps < 30:
+            engine.add_request(f"one{steps}", PROMPTS[1], SamplingParams(max_tokens=1, temperature=0))
+        paused += not engine.speculating()
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+        for seq in engine.scheduler.running:
+            assert engine.proposer.num_computed.get(seq.request_id, 0) <= len(seq) - 1, steps
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    assert paused >= 5 and engine.stats.spec_decode_num_accepted_tokens > 0
 
 
 @pytest.mark.slow

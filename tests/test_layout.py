@@ -175,6 +175,7 @@ UNCHANGED_FROM_PREVIOUS = {
         "messages.py",
         "metrics.py",
         "model_runner.py",
+        "ngram_proposer.py",
         "output_processor.py",
         "parallel_sampling.py",
         "processor.py",
