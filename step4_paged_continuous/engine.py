@@ -29,6 +29,8 @@ from .sequence import RequestOutput, Sequence
 def as_token_ids(ids) -> list[int]:
     """A prompt given as token ids, as a list of ints; numpy and torch integers are accepted, bools are not.
     Raises ValueError for anything else."""
+    if type(ids) is list and set(map(type, ids)) <= {int}:  # plain ints (a bool's type is bool): a copy
+        return ids[:]
     try:
         if isinstance(ids, (str, bytes)) or any(isinstance(t, bool) for t in ids):
             raise TypeError
