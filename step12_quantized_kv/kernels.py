@@ -358,7 +358,7 @@ def paged_attention(
     run (tokens), a host int (it picks the tile size). Query i of sequence s is at position
     seq_lens[s] - query_len + i and attends to keys 0 .. that position. scale: default D ** -0.5.
     k_scale, v_scale: [num_blocks, block_size, H] float16/float32, with 8-bit (int8 or float8_e4m3fn)
-    k_cache, v_cache: key n of head h is k_cache[b, i, h] x k_scale[b, i, h] (``kv_cache.quantize``).
+    k_cache, v_cache: key n of head h is k_cache[b, i, h] x k_scale[b, i, h] (``kv_quant.quantize``).
     block_m, block_n, num_warps, num_stages override the tile table (block_m >= 16, or 1 with an 8-bit
     pool, and block_n >= 16, powers of two, on a GPU).
     Returns out [N, H, D] in q's dtype. Raises ValueError, naming the argument, on inconsistent shapes,

@@ -6,8 +6,8 @@ Memory Management for Large Language Model Serving with PagedAttention", SOSP). 
 ``block_table[p // block_size]`` at offset ``p % block_size``: its *slot* is ``block * block_size + offset``.
 The model writes a step's keys and values at their slots and reads each sequence's back through its block
 table; the ``BlockManager`` owns the blocks. Step 12: ``kv_cache_dtype`` "int8" or "fp8" stores each value
-in 8 bits over a float16 scale of its token and head (amax / 127 or / 448), set as it is written: no
-calibration, and a scale never changes under stored values. Bytes per token: ``block_bytes`` / block_size.
+in 8 bits over a float16 scale of its token and head (kv_quant.py), set as it is written: no calibration,
+and a scale never changes under stored values. Bytes per token: ``block_bytes`` / block_size.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 
 from common.weights import GPT2Config
 
+from .kv_quant import SCALE_DTYPE, dequantize, quantize
+
 # kv_cache_dtype -> the pool's element type; "auto" (None): the model's dtype, unscaled
 KV_CACHE_DTYPES = {
     "auto": None,
@@ -23,37 +25,6 @@ KV_CACHE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
-# One scale per token and head: 2 bytes, next to 64 of a GPT-2 head (about 1.94x fp16's tokens per byte).
-# float16's 11 significant bits are finer than the 8-bit values they scale; its range (6e-8 .. 65504) holds
-# amax / 448 of any fp16 value (a scale that underflows to 0 stores 0s, which are then within 1e-5 of x).
-SCALE_DTYPE = torch.float16
-
-
-def qmax(dtype: torch.dtype) -> float:
-    """The largest magnitude an 8-bit ``dtype`` stores, onto which a token-head's amax maps: 127 (int8),
-    448 (e4m3: no infinities, "fn", 448 its largest finite value)."""
-    return float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
-
-
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H, D] -> (values [N, H, D] in ``dtype``, int8 or float8_e4m3fn; scales [N, H] float16), with
-    x ~= values * scale: scale = amax over D / qmax (127 or 448), symmetric, values rounded to nearest,
-    half up (int8; as the write kernel, kv_write.py) or cast (e4m3) after clamping to +-qmax. A row of
-    zeros gets scale 0 and zeros, not NaN."""
-    q = qmax(dtype)
-    amax = x.abs().amax(-1).float()  # [N, H]
-    scale = (amax / q).clamp(max=torch.finfo(SCALE_DTYPE).max).to(SCALE_DTYPE)  # [N, H]
-    s = scale.float()[..., None]  # [N, H, 1] the rounded scale: what the reader multiplies by
-    y = torch.where(s > 0, x.float() / s, 0.0).clamp(-q, q)  # [N, H, D] fp32, a scale of 0 -> 0
-    return (torch.floor(y + 0.5) if dtype == torch.int8 else y).to(dtype), scale  # int8: half up
-
-
-def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values [..., D] (8-bit) times scale [...] (their token-heads'), in ``dtype``: the kernel's arithmetic
-    (fp32 products), for the torch backend; clamped to ``dtype``'s finite range (a float16 scale rounded up
-    would otherwise turn float16's largest value, 65504 = 127 x 515.78, into 127 x 516: inf)."""
-    top = torch.finfo(dtype).max
-    return (values.float() * scale.float()[..., None]).clamp_(-top, top).to(dtype)
 
 
 class PagedKVCache:

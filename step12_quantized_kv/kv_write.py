@@ -1,6 +1,6 @@
 """The 8-bit KV write as one Triton kernel: quantize the new tokens' keys and values and store them.
 
-``write_kv_quantized`` does what ``PagedKVCache.write`` does for an 8-bit pool (``kv_cache.quantize``:
+``write_kv_quantized`` does what ``PagedKVCache.write`` does for an 8-bit pool (``kv_quant.quantize``:
 amax per token and head, a float16 scale, values clamped and rounded), for K and V in one launch instead
 of a dozen torch operations per layer; the Triton attention backend writes through it on CUDA (vLLM
 quantizes in its KV-write kernel too: triton_reshape_and_cache_flash.py). Step 5's exercise kv_write.py
@@ -19,7 +19,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from .kernels import QUANTIZED_DTYPES, _check_index_tensor, _check_usable  # noqa: E402
-from .kv_cache import qmax  # noqa: E402
+from .kv_quant import qmax  # noqa: E402
 
 # Triton's interpreter converts fp32 to e4m3 without round-to-nearest-even and loses the carry of a
 # round-up (127.9 -> 64); a GPU's conversion instruction rounds to nearest even, as torch does.
@@ -55,7 +55,7 @@ def _quantize_store(
     y = tl.where(s > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)  # a scale of 0 -> 0, not NaN
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if ROUND:
-        y = tl.floor(y + 0.5)  # round to nearest, half up (kv_cache.quantize rounds the same way)
+        y = tl.floor(y + 0.5)  # round to nearest, half up (kv_quant.quantize rounds the same way)
     tl.store(cache_ptr + slot * stride_cn + h * stride_ch + d, y.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + slot * stride_sn + heads, scale, mask=heads < NUM_HEADS)
 
@@ -148,7 +148,7 @@ def write_kv_quantized(
     k_cache, v_cache: [num_blocks, block_size, H, D] int8 or float8_e4m3fn, contiguous; k_scale, v_scale:
     [num_blocks, block_size, H] float16, contiguous; k, v: [N, H, D] (rows of any stride, D contiguous);
     slot_mapping: [N] int32/int64, slot = block * block_size + offset. Bit for bit what
-    ``PagedKVCache.write`` stores for an 8-bit pool (``kv_cache.quantize``) on a GPU; fp8 through Triton's
+    ``PagedKVCache.write`` stores for an 8-bit pool (``kv_quant.quantize``) on a GPU; fp8 through Triton's
     interpreter is not (``CPU_FP8_WRITE``), so the engine writes through this kernel on CUDA only. Raises
     ValueError, naming the argument, on mismatched shapes, dtypes, layouts or devices, and for fp8 on a CPU.
     """

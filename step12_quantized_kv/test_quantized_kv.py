@@ -21,7 +21,8 @@ import step11_speculative
 from . import kernels
 from .config import EngineArgs, check_kv_cache_dtype
 from .engine import LLMEngine
-from .kv_cache import SCALE_DTYPE, PagedKVCache, dequantize, qmax, quantize
+from .kv_cache import PagedKVCache
+from .kv_quant import SCALE_DTYPE, dequantize, qmax, quantize
 from .llm import LLM
 from .sampling_params import SamplingParams
 

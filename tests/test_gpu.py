@@ -154,7 +154,7 @@ def test_step12_8_bit_kv_on_gpu(demo_snapshot, mode):
     (the CPU margin); fp16 stays finite; the kernel equals its reference at GPT-2's shapes (fp16, 1e-2)."""
     step12 = importlib.import_module("step12_quantized_kv")
     kernels = importlib.import_module("step12_quantized_kv.kernels")
-    quantize = importlib.import_module("step12_quantized_kv.kv_cache").quantize
+    quantize = importlib.import_module("step12_quantized_kv.kv_quant").quantize
     args = dict(model=str(demo_snapshot), device="cuda", block_size=16)
     params = step12.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     ids = {
