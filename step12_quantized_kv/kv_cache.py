@@ -18,6 +18,11 @@ from common.weights import GPT2Config
 
 from .kv_quant import SCALE_DTYPE, dequantize, quantize
 
+try:
+    from . import kv_write
+except ImportError:  # Triton is not installed: the torch write only
+    kv_write = None
+
 # kv_cache_dtype -> the pool's element type; "auto" (None): the model's dtype, unscaled
 KV_CACHE_DTYPES = {
     "auto": None,
@@ -30,7 +35,9 @@ KV_CACHE_DTYPES = {
 class PagedKVCache:
     """Pre-allocated K and V pools: k[layer], v[layer] are [num_blocks, block_size, H, D], in ``dtype``
     (the model's) with kv_cache_dtype "auto", else 8-bit (``cache_dtype``) with their scales k_scale[layer],
-    v_scale[layer] [num_blocks, block_size, H] float16 (None for "auto").
+    v_scale[layer] [num_blocks, block_size, H] float16 (None for "auto"). ``write`` stores 8-bit keys
+    through kv_write.py's Triton kernel under the "triton" ``attention_backend`` on CUDA, else in torch ops
+    (``kv_quant.quantize``).
 
     Sizes: ``block_bytes`` = 2 x n_layer x block_size x n_head x (head_dim x element size + scale size).
     Raises ValueError if the pool would not fit in the device's free memory, or for an unknown
@@ -45,6 +52,7 @@ class PagedKVCache:
         device: torch.device | str,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
+        attention_backend: str = "torch",
     ):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: must be one of {list(KV_CACHE_DTYPES)}")
@@ -63,6 +71,13 @@ class PagedKVCache:
         scales = (num_blocks, block_size, config.n_head)
         self.k_scale = [self.zeros(scales, device) for _ in range(config.n_layer)]  # None for "auto"
         self.v_scale = [self.zeros(scales, device) for _ in range(config.n_layer)]
+        # 8 bits with the Triton backend on CUDA: one kernel quantizes and stores K and V, compiled now so
+        # that no step (or CUDA-graph capture) waits for the compiler
+        self.write_kernel = (
+            self.quantized and attention_backend == "triton" and torch.device(device).type == "cuda"
+        )
+        if self.write_kernel:
+            kv_write.warm_up(config.n_head, config.head_dim, dtype, self.cache_dtype, device)
 
     def zeros(self, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor | None:
         """A zeroed scale tensor of ``shape`` (float16), or None if the pool is not quantized."""
@@ -70,7 +85,12 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the keys and values of N new tokens: k, v [N, H, D] go to the slots slot_mapping [N];
-        in 8 bits, with each token-head's scale (``quantize``) at the same slot."""
+        in 8 bits, with each token-head's scale at the same slot, through kv_write.py's kernel if
+        ``write_kernel``, else by ``quantize``."""
+        if self.write_kernel:  # one launch for K and V
+            pool = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
+            kv_write.write_kv_quantized(*pool, k, v, slot_mapping)
+            return
         if self.quantized:
             (k, k_scale), (v, v_scale) = quantize(k, self.cache_dtype), quantize(v, self.cache_dtype)
             self.k_scale[layer].view(-1, k.shape[1])[slot_mapping] = k_scale  # [num_blocks * block_size, H]

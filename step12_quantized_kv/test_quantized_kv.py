@@ -298,6 +298,27 @@ def test_the_write_kernel_stores_what_the_torch_write_stores(tiny_snapshot, dtyp
     assert "PagedKVCache.write" in CPU_FP8_WRITE
 
 
+def test_the_pool_picks_the_write(tiny_snapshot, monkeypatch):
+    """``PagedKVCache.write`` is the one entry point: the Triton kernel for an 8-bit pool under the Triton
+    backend on CUDA (``write_kernel``), else the torch ops; the model only calls the pool."""
+    import inspect
+
+    from common.weights import load_config
+
+    from . import kv_cache, model
+
+    config = load_config(tiny_snapshot)
+    assert not PagedKVCache(config, 2, 4, "cpu", torch.float32, "int8", "triton").write_kernel  # no CUDA
+    pool = PagedKVCache(config, 2, 4, "cpu", torch.float32, "int8", "triton")
+    pool.write_kernel = True
+    calls = []
+    monkeypatch.setattr(kv_cache.kv_write, "write_kv_quantized", lambda *args: calls.append(args))
+    k = torch.randn(3, config.n_head, config.head_dim)
+    pool.write(1, k, k, torch.arange(3))
+    assert len(calls) == 1 and calls[0][0] is pool.k[1] and calls[0][3] is pool.v_scale[1]
+    assert "kv_write" not in inspect.getsource(model)
+
+
 # ---- the engine --------------------------------------------------------------------------------------------
 
 
