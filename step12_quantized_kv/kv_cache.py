@@ -37,7 +37,7 @@ class PagedKVCache:
     (the model's) with kv_cache_dtype "auto", else 8-bit (``cache_dtype``) with their scales k_scale[layer],
     v_scale[layer] [num_blocks, block_size, H] float16 (None for "auto"). ``write`` stores 8-bit keys
     through kv_write.py's Triton kernel under the "triton" ``attention_backend`` on CUDA, else in torch ops
-    (``kv_quant.quantize``).
+    (``kv_quant.quantize``): the same bits either way.
 
     Sizes: ``block_bytes`` = 2 x n_layer x block_size x n_head x (head_dim x element size + scale size).
     Raises ValueError if the pool would not fit in the device's free memory, or for an unknown
@@ -86,7 +86,7 @@ class PagedKVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the keys and values of N new tokens: k, v [N, H, D] go to the slots slot_mapping [N];
         in 8 bits, with each token-head's scale at the same slot, through kv_write.py's kernel if
-        ``write_kernel``, else by ``quantize``."""
+        ``write_kernel``, else by ``quantize``: the same bits."""
         if self.write_kernel:  # one launch for K and V
             pool = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
             kv_write.write_kv_quantized(*pool, k, v, slot_mapping)

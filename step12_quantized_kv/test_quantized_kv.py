@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from . import kernels
 from .config import EngineArgs, check_kv_cache_dtype
 from .engine import LLMEngine
 from .kv_cache import PagedKVCache
-from .kv_quant import SCALE_DTYPE, dequantize, qmax, quantize
+from .kv_quant import NAN_SCALE_BITS, SCALE_DTYPE, dequantize, qmax, quantize, scale_max
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -105,13 +106,130 @@ def test_one_huge_outlier_keeps_itself_and_costs_the_rest_resolution(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_float16s_largest_values_come_back_finite(mode):
-    """+-65504 (float16's largest) over a scale that float16 rounds up (65504 / 127 -> 516): back in
-    float16 they are themselves, not inf."""
+def test_the_scale_is_capped_so_that_every_value_reads_back_finite_in_float16(mode):
+    """+-65504 (float16's largest): uncapped, 65504 / 127 rounds up to the float16 scale 516 and 127 x 516
+    is inf in float16. The cap is the largest float16 scale whose qmax x scale is at most 65504."""
+    q, cap = qmax(DTYPES[mode]), scale_max(DTYPES[mode])
+    assert cap == {"int8": 515.5, "fp8": 146.125}[mode]
+    above = torch.tensor(cap, dtype=torch.float16).view(torch.int16).add(1).view(torch.float16).item()
+    assert q * cap <= 65504 and torch.tensor(q * above).half().isinf()
     x = torch.tensor([[[65504.0, -65504.0, 1.0, 0.0]]], dtype=torch.float16)
     values, scale = quantize(x, DTYPES[mode])
+    assert scale.item() == cap
+    assert torch.isfinite(values.half() * scale[..., None]).all()  # a float16 reader's own arithmetic
     back = dequantize(values, scale, torch.float16)
-    assert torch.isfinite(back).all() and back[0, 0, :2].tolist() == [65504.0, -65504.0]
+    assert torch.isfinite(back).all() and (back.float() - x.float())[0, 0, :2].abs().max() <= 64
+
+
+def edge_rows(mode: str, D: int) -> torch.Tensor:
+    """[R, D] fp32 rows at the format's edges: +-65504, all 65504, zeros, -0, an amax of 1e-7 (a scale of
+    0), 1e-5 and 3e-5 (subnormal float16 scales), a NaN, all NaN, +-inf, a negative maximum, and rounding
+    ties (a scale of exactly 1: x.5 for int8, e4m3's midpoints for fp8)."""
+    torch.manual_seed(4)
+    r = torch.rand(15, D) * 2 - 1  # [R, D] in (-1, 1)
+    r[0, 0], r[0, 1] = 65504.0, -65504.0
+    r[1] = 65504.0
+    r[2] = 0.0
+    r[3] = -0.0
+    r[4] *= 1e-7
+    r[5] *= 1e-5 / r[5].abs().max()
+    r[6] *= 3e-5 / r[6].abs().max()
+    r[7, 3] = float("nan")
+    r[8] = float("nan")
+    r[9, 1], r[9, 2] = float("inf"), float("-inf")
+    r[10, 4] = -3.0
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 17.0, 19.0, 1.5 * 2**-9, 2.5 * 2**-9, 0.3, -0.3])
+    r[11] = 0.0
+    r[11, : min(D, 12)] = ties[:D]
+    r[11, -1] = qmax(DTYPES[mode])  # amax = qmax: the scale is 1
+    r[12] = torch.linspace(-1, 1, D) * 1e-3  # a head of small keys (a subnormal-ish scale for fp8)
+    r[13] = torch.linspace(-65504, 65504, D)
+    r[14] = -r[13]
+    return r
+
+
+def as_tokens(rows: torch.Tensor, H: int) -> torch.Tensor:
+    """Rows [R, D] as tokens of H heads: [ceil(R / H), H, D] (a last token's spare heads: the first rows)."""
+    rows = torch.cat([rows, rows[: -len(rows) % H]])
+    return rows.view(-1, H, rows.shape[-1])
+
+
+def formula(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_quant.quantize``'s docstring in numpy, one float32 operation at a time, its own rounding
+    (np.rint, np.frexp): the formula both writes follow. x [..., D] -> (values, float16 scales)."""
+    f32 = np.float32
+    q, x = f32(qmax(dtype)), x.float().numpy()
+    nan = np.isnan(x).any(-1)
+    x = np.where(np.isnan(x), f32(0), x)
+    amax = np.abs(x).max(-1)
+    scale = np.minimum(amax * (f32(1) / q), f32(scale_max(dtype))).astype(np.float16)
+    s = scale.astype(f32)
+    inv = np.divide(f32(1), s, out=np.zeros_like(s), where=s > 0)[..., None]
+    y = np.clip(x * inv, -q, q)
+    if dtype == torch.int8:
+        values = np.rint(y)
+    else:
+        step = np.maximum(np.ldexp(f32(1), np.frexp(y)[1] - 1).astype(f32), f32(2**-6)) * f32(2**-3)
+        values = np.rint(y / step) * step
+    values = np.where(values == 0, f32(0), values)  # +0, never -0
+    scale.view(np.int16)[nan] = NAN_SCALE_BITS
+    return torch.from_numpy(values).to(dtype), torch.from_numpy(scale)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit patterns, for exact comparisons (NaN equal to the same NaN, -0 unequal to +0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_is_the_formula_bit_for_bit(mode, dtype):
+    """Random rows of every magnitude float16 holds and the edge rows: values and scales are the bits of the
+    formula (fp32 steps, the scale rounded once to float16, round half to even, e4m3 on its grid, +0 zeros,
+    a NaN row's scale NaN)."""
+    torch.manual_seed(5)
+    x = torch.randn(64, 8, 16) * torch.logspace(-7, 4, 64)[:, None, None]
+    x = torch.cat([x, as_tokens(edge_rows(mode, 16), 8)]).to(dtype)
+    values, scale = quantize(x, DTYPES[mode])
+    want_values, want_scale = formula(x, DTYPES[mode])
+    assert torch.equal(bits(values), bits(want_values)) and torch.equal(bits(scale), bits(want_scale))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rounding_is_to_the_nearest_value_ties_to_even(mode):
+    """A scale of exactly 1 (amax = qmax), values on rounding ties: int8 rounds half to even (0.5 -> 0, 1.5
+    -> 2, 2.5 -> 2), e4m3 to its nearest value, ties to the even mantissa (17 -> 16, 19 -> 20, 1.5 x 2^-9
+    -> 2^-8 among the subnormals), so that the cast to e4m3 is exact."""
+    q = qmax(DTYPES[mode])
+    ties = [0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 17.0, 19.0, 1.5 * 2**-9, 2.5 * 2**-9, -0.3, q]
+    values, scale = quantize(torch.tensor([[ties]]), DTYPES[mode])
+    assert scale.item() == 1.0
+    want = {
+        "int8": [0, 2, 2, 0, -2, 126, 17, 19, 0, 0, 0, 127],
+        "fp8": [0.5, 1.5, 2.5, -0.5, -2.5, 128, 16, 20, 2**-8, 2**-8, -0.3125, 448],
+    }[mode]
+    assert values.float()[0, 0].tolist() == want
+    assert bits(values)[0, 0, 10].item() == {"int8": 0, "fp8": 0xAA}[mode]  # -0.3: int8 +0; e4m3 -0.3125
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_marks_its_token_head_and_tiny_heads_get_subnormal_or_zero_scales(mode):
+    """A NaN in a token-head: its scale is float16's NaN, so the head reads back NaN (as a pool in the model's
+    dtype gives its NaN back), and no other head changes. An amax of 1e-7: scale 0, values +0. 3e-5: a
+    subnormal float16 scale; both back within qmax x 2^-25 (a subnormal scale's rounding) and half a step."""
+    torch.manual_seed(6)
+    x = torch.randn(1, 4, 8)
+    x[0, 0, 3] = float("nan")
+    x[0, 2] *= 1e-7
+    x[0, 3] *= 3e-5 / x[0, 3].abs().max()
+    values, scale = quantize(x, DTYPES[mode])
+    back = dequantize(values, scale, torch.float32)
+    assert bits(scale)[0, 0].item() == NAN_SCALE_BITS and back[0, 0].isnan().all()
+    alone = quantize(x[:, 1:2], DTYPES[mode])
+    assert torch.equal(bits(values[:, 1:2]), bits(alone[0])) and torch.equal(scale[:, 1:2], alone[1])
+    assert scale[0, 2] == 0 and bits(values)[0, 2].eq(0).all()
+    assert 0 < scale[0, 3] < 2**-14  # float16's subnormals, 2^-24 apart: the scale is off by up to 2^-25
+    assert (back - x)[0, 2:].abs().max() <= qmax(DTYPES[mode]) * 2**-25 + scale[0, 3] / 2  # under 1.3e-5
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -274,28 +392,35 @@ def projected_kv(config, N: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_write_kernel_stores_what_the_torch_write_stores(tiny_snapshot, dtype):
-    """kv_write.py's kernel (int8, interpreter) against PagedKVCache.write: values and scales bit for bit."""
-    from common.weights import load_config
+def write_both_ways(config, mode, dtype, k, v, slots, device="cpu", blocks=None):
+    """Two pools of ``mode``, one written through kv_write.py's kernel, one by the torch ops
+    (``PagedKVCache.write`` picks by ``write_kernel``); their layer 0, each as (k, v, k_scale, v_scale)."""
+    pools = []
+    for kernel in (True, False):
+        pool = PagedKVCache(config, blocks or math.ceil(len(slots) / 4) + 1, 4, device, dtype, mode)
+        pool.write_kernel = kernel  # on a CPU the kernel runs through Triton's interpreter
+        pool.write(0, k, v, slots)
+        pools.append((pool.k[0], pool.v[0], pool.k_scale[0], pool.v_scale[0]))
+    return pools
 
-    from .kv_write import CPU_FP8_WRITE, write_kv_quantized
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_write_kernel_stores_the_torch_writes_bits(tiny_snapshot, mode, dtype):
+    """kv_write.py's kernel (interpreter) and the torch write store the same bits, values and scales: k and
+    v as views of one projection, rows of every magnitude and the edge rows (+-65504, zeros, scales of 0
+    and subnormal, NaN, +-inf, rounding ties)."""
+    from common.weights import load_config
 
     config = load_config(tiny_snapshot)
     k, v = projected_kv(config, 9, dtype)
-    slots = torch.randperm(24)[:9]
-    ours, theirs = (PagedKVCache(config, 6, 4, "cpu", dtype, "int8") for _ in range(2))
-    theirs.write(0, k, v, slots)
-    write_kv_quantized(ours.k[0], ours.v[0], ours.k_scale[0], ours.v_scale[0], k, v, slots)
-    for a, b in zip(
-        (ours.k[0], ours.v[0], ours.k_scale[0], ours.v_scale[0]),
-        (theirs.k[0], theirs.v[0], theirs.k_scale[0], theirs.v_scale[0]),
-    ):
-        assert torch.equal(a, b)
-    fp8 = PagedKVCache(config, 6, 4, "cpu", dtype, "fp8")
-    with pytest.raises(ValueError, match="interpreter"):
-        write_kv_quantized(fp8.k[0], fp8.v[0], fp8.k_scale[0], fp8.v_scale[0], k, v, slots)
-    assert "PagedKVCache.write" in CPU_FP8_WRITE
+    edges = as_tokens(edge_rows(mode, config.head_dim), config.n_head).to(dtype)  # [E, H, D]
+    k, v = torch.cat([k, edges]), torch.cat([v, edges.flip(0)])
+    slots = torch.randperm(4 * math.ceil(len(k) / 4) + 4)[: len(k)]
+    ours, theirs = write_both_ways(config, mode, dtype, k, v, slots)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(bits(a), bits(b))
+    assert torch.equal(bits(theirs[2].view(-1, config.n_head)[slots]), bits(quantize(k, DTYPES[mode])[1]))
 
 
 def test_the_pool_picks_the_write(tiny_snapshot, monkeypatch):
@@ -442,3 +567,57 @@ def test_8_bit_engines_through_the_server(demo_snapshot, mode):
             got = httpx.post(url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
             assert got == text
         assert httpx.get(url + "/v1/engine/stats").json()["features"]["kv_cache_dtype"] == mode
+
+
+# ---- on a GPU: `pytest -m gpu step12_quantized_kv` (skipped without CUDA) ----------------------------------
+
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def skip_fp8_below_8_9(mode: str) -> None:
+    if mode == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 (e4m3) in Triton needs compute capability 8.9")
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_the_write_kernel_stores_the_torch_writes_bits(mode, dtype):
+    """GPT-2 124M's shapes on the GPU: 4,096 tokens of the model's projection layout (every magnitude), a head
+    for every finite float16 scale (31,743 heads of amax = s x qmax: every reciprocal), the edge rows. The
+    kernel and the torch ops store the same bits, the torch ops on the GPU those of the CPU, and every
+    value times its scale is finite in float16."""
+    from common.weights import GPT2Config
+
+    skip_fp8_below_8_9(mode)
+    config = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=1, n_head=12)
+    H, D, C, q = 12, 64, 768, qmax(DTYPES[mode])
+    torch.manual_seed(7)
+    qkv = torch.randn(4096, 3 * C) * torch.logspace(-7, 4, 4096)[:, None]  # [N, 3C]
+    qkv = qkv.to(device="cuda", dtype=dtype)
+    k1, v1 = (t.view(-1, H, D) for t in qkv[:, C:].split(C, 1))  # views, the model's strides
+    every = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16).float()  # [31743] scales
+    rows = torch.rand(len(every), D) * 2 - 1
+    rows[:, 0] = 1.0
+    k2 = torch.cat([as_tokens(rows * (every * q)[:, None], H), as_tokens(edge_rows(mode, D), H)])
+    k2 = k2.to(device="cuda", dtype=dtype)
+    v2 = k2.flip(0)
+    slots = torch.randperm(16 * 448, device="cuda")[: len(k1) + len(k2)]
+    pools = []
+    for backend in ("triton", "torch"):
+        pool = PagedKVCache(config, 448, 16, "cuda", dtype, mode, backend)
+        assert pool.write_kernel == (backend == "triton")
+        pool.write(0, k1, v1, slots[: len(k1)])
+        pool.write(0, k2, v2, slots[len(k1) :])
+        pools.append((pool.k[0], pool.v[0], pool.k_scale[0], pool.v_scale[0]))
+    for a, b in zip(*pools):
+        mismatched = (bits(a) != bits(b)).flatten(1).any(1).sum().item()
+        assert mismatched == 0, f"{mismatched} tokens differ"
+    k_all = torch.cat([k1, k2]).cpu()
+    cpu_values, cpu_scale = quantize(k_all, DTYPES[mode])
+    assert torch.equal(bits(pools[1][0].view(-1, H, D)[slots].cpu()), bits(cpu_values))
+    assert torch.equal(bits(pools[1][2].view(-1, H)[slots].cpu()), bits(cpu_scale))
+    values, scale = pools[0][0].view(-1, H, D)[slots], pools[0][2].view(-1, H)[slots]
+    finite = ~scale.isnan()
+    assert torch.isfinite((values.half() * scale[..., None])[finite]).all()
