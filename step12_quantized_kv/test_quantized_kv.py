@@ -11,6 +11,7 @@ speculative decoding on 8-bit blocks equal the same engine without them; int8 an
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import step11_speculative
+from common.weights import DEMO_CHECKPOINT
 
 from . import kernels
 from .config import EngineArgs, check_kv_cache_dtype
@@ -530,6 +532,47 @@ def test_the_triton_backend_equals_the_torch_backend_in_the_engine(demo_snapshot
     )
 
 
+def prefill_logprobs(model, ids: torch.Tensor, mode: str, backend: str) -> torch.Tensor:
+    """Logprobs at every position of one prefill of ``ids`` [T] through a fresh pool of ``mode``: [T, V]."""
+    from .model import AttentionMetadata
+
+    T = len(ids)
+    cache = PagedKVCache(model.config, math.ceil(T / BLOCK), BLOCK, "cpu", torch.float32, mode)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(T),
+        query_start_loc=[0, T],
+        query_start_loc_t=torch.tensor([0, T]),
+        logits_indices=torch.arange(T),
+        num_prefills=1,
+        seq_lens=torch.tensor([T]),
+        block_tables=torch.arange(math.ceil(T / BLOCK))[None],
+        max_query_len=T,
+        attention_backend=backend,
+        decode_mask=None,
+        prefill_seq_lens=[T],
+    )
+    with torch.inference_mode():
+        return model(ids, torch.arange(T), cache, meta).log_softmax(-1)  # [T, V]
+
+
+@pytest.mark.slow
+def test_an_8_bit_pool_amplifies_the_backends_last_bit_differences(auto):
+    """The two attention backends differ in their last bits (auto: logprobs within 1e-4 over 256 held-out
+    tokens); on an int8 pool a last-bit difference at a rounding boundary becomes an 8-bit step of the next
+    layer's keys, so their logprobs drift apart by far more, near-tie size (README: the two backends)."""
+    text = (Path(__file__).parents[1] / "benchmarks/lib/workloads/heldout.txt").read_text()
+    ids = torch.tensor(auto.engine.tokenizer.encode(text)[:256])
+    model = auto.engine.model
+    gap = {
+        mode: (
+            prefill_logprobs(model, ids, mode, "triton") - prefill_logprobs(model, ids, mode, "torch")
+        ).abs()
+        for mode in ("auto", "int8")
+    }
+    assert gap["auto"].max() < 1e-4 and 1e-3 < gap["int8"].max() < 0.1  # measured: 1.9e-5 and 1.9e-2
+    assert gap["int8"].max() > 100 * gap["auto"].max()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_gpt2_124m_shapes_stay_finite_over_the_full_window(tmp_path, mode):
@@ -621,3 +664,70 @@ def test_gpu_the_write_kernel_stores_the_torch_writes_bits(mode, dtype):
     values, scale = pools[0][0].view(-1, H, D)[slots], pools[0][2].view(-1, H)[slots]
     finite = ~scale.isnan()
     assert torch.isfinite((values.half() * scale[..., None])[finite]).all()
+
+
+# n = 3 greedy choices of one request beside five others, all after a shared prefix (prefix-cache hits), in a
+# pool of 24 blocks of 4 (preemption), with prompt lookup: the workload of issue 42's int8 difference
+SHARED_PREFIX = "def f(x): return x\ndef g(x): return x\n"
+
+
+def hard_workload(backend: str, dtype: str, kv_cache_dtype: str = "int8", device: str = "cuda"):
+    """Greedy ids of the workload above, 40 tokens each: {(request id, choice index): ids}, the prompts' ids
+    {request id: ids}, and the engine's stats."""
+    engine = LLMEngine(
+        model=str(DEMO_CHECKPOINT),
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=BLOCK,
+        num_kv_blocks=24,
+        max_num_seqs=6,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    )
+    prompts = {str(i): engine.tokenizer.encode(SHARED_PREFIX + p) for i, p in enumerate(PROMPTS)}
+    for request_id, ids in prompts.items():
+        n = 3 if request_id == "2" else 1
+        engine.add_request(request_id, ids, SamplingParams(max_tokens=40, temperature=0, n=n))
+    got: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    return dict(sorted(got.items())), prompts, engine.stats
+
+
+def top5_after(ids: list[int], backend: str, dtype: str, kv_cache_dtype="int8", device="cuda") -> dict:
+    """{token id: logprob} of the top-5 next tokens after ``ids`` through a fresh engine of this backend
+    (teacher-forced: the ids as one prompt)."""
+    llm = LLM(
+        model=str(DEMO_CHECKPOINT),
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=BLOCK,
+    )
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].outputs[0]
+    return {t: lp.logprob for t, lp in out.logprobs[0].items()}
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gpu_int8_triton_and_torch_backends_agree_up_to_near_ties(dtype):
+    """The int8 workload of issue 42 (n = 3, prefix hits, preemption, prompt lookup) through the Triton
+    kernels and CUDA graphs and through the torch backend: equal ids, or, where a choice first differs, each
+    side's token among the other's top-5 there (the parity tier of near-ties; README: why they flip)."""
+    ours, prompts, stats = hard_workload("triton", dtype)
+    theirs, _, _ = hard_workload("torch", dtype)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_decode_num_drafts > 0
+    assert ours.keys() == theirs.keys() and len(ours) == len(PROMPTS) + 2
+    for key, a in ours.items():
+        b = theirs[key]
+        t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if t is None:
+            assert len(a) == len(b)
+            continue
+        context = prompts[key[0]] + a[:t]
+        assert a[t] in top5_after(context, "torch", dtype) and b[t] in top5_after(context, "triton", dtype)
