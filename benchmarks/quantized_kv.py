@@ -196,7 +196,8 @@ def kernel_points(folder, device, dtype, runs, batches, contexts) -> dict:
     scales it must read, over the copy bandwidth."""
     from common.weights import load_config
     from step12_quantized_kv import kernels
-    from step12_quantized_kv.kv_cache import KV_CACHE_DTYPES, SCALE_DTYPE, quantize
+    from step12_quantized_kv.kv_cache import KV_CACHE_DTYPES
+    from step12_quantized_kv.kv_quant import SCALE_DTYPE, quantize
 
     config, torch_dtype = load_config(folder), getattr(torch, dtype)
     H, D, bs = config.n_head, config.head_dim, 16

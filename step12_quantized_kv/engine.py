@@ -22,7 +22,7 @@ from .config import EngineArgs
 from .draft_model import DraftModelProposer
 from .kv_cache import PagedKVCache
 from .messages import EngineCoreOutput
-from .model import GPT, kernels, kv_write
+from .model import GPT, kernels
 from .model_runner import AsyncModelRunnerOutput, ModelRunner
 from .ngram_proposer import NgramProposer
 from .parallel_sampling import ParentRequest
@@ -85,7 +85,13 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, vocab, window, self.max_model_len, args.max_num_seqs)
         # one block more than the block manager hands out: the scratch block, which padding lanes write to
         self.kv_cache = PagedKVCache(
-            self.config, args.num_kv_blocks + 1, args.block_size, self.device, self.dtype, args.kv_cache_dtype
+            self.config,
+            args.num_kv_blocks + 1,
+            args.block_size,
+            self.device,
+            self.dtype,
+            args.kv_cache_dtype,
+            self.attention_backend,
         )
         self.block_manager = BlockManager(args.num_kv_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
@@ -103,29 +109,11 @@ class LLMEngine:
         )
         draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         if self.attention_backend == "triton" and self.device.type == "cuda":  # compile before any request
-            if draft:  # the draft's KV cache is in the model's dtype
+            for config, pool in [(self.config, self.kv_cache)] + (
+                [(draft.model.config, draft.kv_cache)] if draft else []
+            ):
                 kernels.warm_up(
-                    draft.model.config.n_head,
-                    draft.model.config.head_dim,
-                    args.block_size,
-                    self.dtype,
-                    self.device,
-                )
-            kernels.warm_up(
-                self.config.n_head,
-                self.config.head_dim,
-                args.block_size,
-                self.dtype,
-                self.device,
-                self.kv_cache.cache_dtype,
-            )
-            if self.kv_cache.quantized:  # the quantizing KV write too
-                kv_write.warm_up(
-                    self.config.n_head,
-                    self.config.head_dim,
-                    self.dtype,
-                    self.kv_cache.cache_dtype,
-                    self.device,
+                    config.n_head, config.head_dim, args.block_size, self.dtype, self.device, pool.cache_dtype
                 )
         # the decode step (and the uniform verification, the draft's decode passes) in CUDA graphs, after
         # the warm-up: no compiling in a capture

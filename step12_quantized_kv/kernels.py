@@ -72,6 +72,22 @@ def _to_float32(x):
     return x.to(tl.float32)
 
 
+@triton.jit
+def _online_softmax(scores, m_i, l_i):
+    """One tile's step of the online softmax (FlashAttention-2), base 2: the tile's scores (fp32, -inf where
+    masked) [BLOCK_M, BLOCK_N], or one query row's [BLOCK_N]; the running max m_i and sum l_i of each row
+    [BLOCK_M] ([1] for one row). Returns p = exp2(scores - new max), alpha = exp2(old max - new max) (the
+    caller rescales what it summed under the old max by it), the new max, the new sum."""
+    keys: tl.constexpr = len(scores.shape) - 1  # the key axis
+    m_new = tl.maximum(m_i, tl.max(scores, keys))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
+    alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max
+    if keys == 1:  # rows of a tile: each row's max against its own scores
+        m_safe = m_safe[:, None]
+    p = tl.exp2(scores - m_safe)  # [BLOCK_M, BLOCK_N] or [BLOCK_N]
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, keys)
+
+
 @triton.jit(**NOT_SPECIALISED)
 def _paged_attention_kernel(
     q_ptr,
@@ -214,11 +230,7 @@ def _paged_attention_kernel(
             if KV_QUANT:
                 s_n = s_n * k_scale
             s_n = tl.where(n <= positions, s_n, float("-inf"))  # causal (and n < L)
-            m_new = tl.maximum(m_i, tl.max(s_n, 0))  # [1]
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p_n = tl.exp2(s_n - m_safe)  # [BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p_n, 0)
+            p_n, alpha, m_i, l_i = _online_softmax(s_n, m_i, l_i)  # [BLOCK_N], [1], [1], [1]
             if KV_QUANT:
                 p_n = p_n * v_scale
             acc_row = acc_row * alpha + tl.sum(p_n[:, None] * _to_float32(v), 0)  # [D_PAD]
@@ -230,16 +242,11 @@ def _paged_attention_kernel(
             if KV_QUANT:
                 scores = scores * k_scale[None, :]  # q . (k_q x k_scale): the keys' scale on the scores
             scores = tl.where(n[None, :] <= positions[:, None], scores, float("-inf"))  # causal (and n < L)
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
-            alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max
-            p = tl.exp2(scores - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i)  # p: [BLOCK_M, BLOCK_N]
             acc = acc * alpha[:, None]
             if KV_QUANT:  # sum_n p[n] v_scale[n] v_q[n]: the values' scale on the probabilities, after l_i
                 p = p * v_scale[None, :]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
-        m_i = m_new
 
     if BLOCK_M == 1:
         acc = acc_row[None, :]
@@ -358,7 +365,7 @@ def paged_attention(
     run (tokens), a host int (it picks the tile size). Query i of sequence s is at position
     seq_lens[s] - query_len + i and attends to keys 0 .. that position. scale: default D ** -0.5.
     k_scale, v_scale: [num_blocks, block_size, H] float16/float32, with 8-bit (int8 or float8_e4m3fn)
-    k_cache, v_cache: key n of head h is k_cache[b, i, h] x k_scale[b, i, h] (``kv_cache.quantize``).
+    k_cache, v_cache: key n of head h is k_cache[b, i, h] x k_scale[b, i, h] (``kv_quant.quantize``).
     block_m, block_n, num_warps, num_stages override the tile table (block_m >= 16, or 1 with an 8-bit
     pool, and block_n >= 16, powers of two, on a GPU).
     Returns out [N, H, D] in q's dtype. Raises ValueError, naming the argument, on inconsistent shapes,

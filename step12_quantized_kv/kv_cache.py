@@ -6,8 +6,8 @@ Memory Management for Large Language Model Serving with PagedAttention", SOSP). 
 ``block_table[p // block_size]`` at offset ``p % block_size``: its *slot* is ``block * block_size + offset``.
 The model writes a step's keys and values at their slots and reads each sequence's back through its block
 table; the ``BlockManager`` owns the blocks. Step 12: ``kv_cache_dtype`` "int8" or "fp8" stores each value
-in 8 bits over a float16 scale of its token and head (amax / 127 or / 448), set as it is written: no
-calibration, and a scale never changes under stored values. Bytes per token: ``block_bytes`` / block_size.
+in 8 bits over a float16 scale of its token and head (kv_quant.py), set as it is written: no calibration,
+and a scale never changes under stored values. Bytes per token: ``block_bytes`` / block_size.
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ import torch
 
 from common.weights import GPT2Config
 
+from .kv_quant import SCALE_DTYPE, dequantize, quantize
+
+try:
+    from . import kv_write
+except ImportError:  # Triton is not installed: the torch write only
+    kv_write = None
+
 # kv_cache_dtype -> the pool's element type; "auto" (None): the model's dtype, unscaled
 KV_CACHE_DTYPES = {
     "auto": None,
@@ -23,43 +30,14 @@ KV_CACHE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
-# One scale per token and head: 2 bytes, next to 64 of a GPT-2 head (about 1.94x fp16's tokens per byte).
-# float16's 11 significant bits are finer than the 8-bit values they scale; its range (6e-8 .. 65504) holds
-# amax / 448 of any fp16 value (a scale that underflows to 0 stores 0s, which are then within 1e-5 of x).
-SCALE_DTYPE = torch.float16
-
-
-def qmax(dtype: torch.dtype) -> float:
-    """The largest magnitude an 8-bit ``dtype`` stores, onto which a token-head's amax maps: 127 (int8),
-    448 (e4m3: no infinities, "fn", 448 its largest finite value)."""
-    return float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
-
-
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H, D] -> (values [N, H, D] in ``dtype``, int8 or float8_e4m3fn; scales [N, H] float16), with
-    x ~= values * scale: scale = amax over D / qmax (127 or 448), symmetric, values rounded to nearest,
-    half up (int8; as the write kernel, kv_write.py) or cast (e4m3) after clamping to +-qmax. A row of
-    zeros gets scale 0 and zeros, not NaN."""
-    q = qmax(dtype)
-    amax = x.abs().amax(-1).float()  # [N, H]
-    scale = (amax / q).clamp(max=torch.finfo(SCALE_DTYPE).max).to(SCALE_DTYPE)  # [N, H]
-    s = scale.float()[..., None]  # [N, H, 1] the rounded scale: what the reader multiplies by
-    y = torch.where(s > 0, x.float() / s, 0.0).clamp(-q, q)  # [N, H, D] fp32, a scale of 0 -> 0
-    return (torch.floor(y + 0.5) if dtype == torch.int8 else y).to(dtype), scale  # int8: half up
-
-
-def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values [..., D] (8-bit) times scale [...] (their token-heads'), in ``dtype``: the kernel's arithmetic
-    (fp32 products), for the torch backend; clamped to ``dtype``'s finite range (a float16 scale rounded up
-    would otherwise turn float16's largest value, 65504 = 127 x 515.78, into 127 x 516: inf)."""
-    top = torch.finfo(dtype).max
-    return (values.float() * scale.float()[..., None]).clamp_(-top, top).to(dtype)
 
 
 class PagedKVCache:
     """Pre-allocated K and V pools: k[layer], v[layer] are [num_blocks, block_size, H, D], in ``dtype``
     (the model's) with kv_cache_dtype "auto", else 8-bit (``cache_dtype``) with their scales k_scale[layer],
-    v_scale[layer] [num_blocks, block_size, H] float16 (None for "auto").
+    v_scale[layer] [num_blocks, block_size, H] float16 (None for "auto"). ``write`` stores 8-bit keys
+    through kv_write.py's Triton kernel under the "triton" ``attention_backend`` on CUDA, else in torch ops
+    (``kv_quant.quantize``): the same bits either way.
 
     Sizes: ``block_bytes`` = 2 x n_layer x block_size x n_head x (head_dim x element size + scale size).
     Raises ValueError if the pool would not fit in the device's free memory, or for an unknown
@@ -74,6 +52,7 @@ class PagedKVCache:
         device: torch.device | str,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
+        attention_backend: str = "torch",
     ):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: must be one of {list(KV_CACHE_DTYPES)}")
@@ -92,6 +71,13 @@ class PagedKVCache:
         scales = (num_blocks, block_size, config.n_head)
         self.k_scale = [self.zeros(scales, device) for _ in range(config.n_layer)]  # None for "auto"
         self.v_scale = [self.zeros(scales, device) for _ in range(config.n_layer)]
+        # 8 bits with the Triton backend on CUDA: one kernel quantizes and stores K and V, compiled now so
+        # that no step (or CUDA-graph capture) waits for the compiler
+        self.write_kernel = (
+            self.quantized and attention_backend == "triton" and torch.device(device).type == "cuda"
+        )
+        if self.write_kernel:
+            kv_write.warm_up(config.n_head, config.head_dim, dtype, self.cache_dtype, device)
 
     def zeros(self, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor | None:
         """A zeroed scale tensor of ``shape`` (float16), or None if the pool is not quantized."""
@@ -99,7 +85,12 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the keys and values of N new tokens: k, v [N, H, D] go to the slots slot_mapping [N];
-        in 8 bits, with each token-head's scale (``quantize``) at the same slot."""
+        in 8 bits, with each token-head's scale at the same slot, through kv_write.py's kernel if
+        ``write_kernel``, else by ``quantize``: the same bits."""
+        if self.write_kernel:  # one launch for K and V
+            pool = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
+            kv_write.write_kv_quantized(*pool, k, v, slot_mapping)
+            return
         if self.quantized:
             (k, k_scale), (v, v_scale) = quantize(k, self.cache_dtype), quantize(v, self.cache_dtype)
             self.k_scale[layer].view(-1, k.shape[1])[slot_mapping] = k_scale  # [num_blocks * block_size, H]

@@ -1,10 +1,10 @@
 """The 8-bit KV write as one Triton kernel: quantize the new tokens' keys and values and store them.
 
-``write_kv_quantized`` does what ``PagedKVCache.write`` does for an 8-bit pool (``kv_cache.quantize``:
-amax per token and head, a float16 scale, values clamped and rounded), for K and V in one launch instead
-of a dozen torch operations per layer; the Triton attention backend writes through it on CUDA (vLLM
-quantizes in its KV-write kernel too: triton_reshape_and_cache_flash.py). Step 5's exercise kv_write.py
-is the same kernel without the scales. Shapes as in kernels.py: N new tokens, H heads, D head size.
+``write_kv_quantized`` stores what ``kv_quant.quantize`` computes, bit for bit, line for line (the same fp32
+operations in the same order, the rounding explicit, no FMA contraction), for K and V in one launch instead of
+a dozen torch operations per layer; the pool writes through it under the Triton backend on CUDA (vLLM
+quantizes in its KV-write kernel too: triton_reshape_and_cache_flash.py). Step 5's exercise kv_write.py is
+the same kernel without the scales. Shapes as in kernels.py: N new tokens, H heads, D head size.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from . import kv_quant  # noqa: E402
 from .kernels import QUANTIZED_DTYPES, _check_index_tensor, _check_usable  # noqa: E402
-from .kv_cache import qmax  # noqa: E402
 
-# Triton's interpreter converts fp32 to e4m3 without round-to-nearest-even and loses the carry of a
-# round-up (127.9 -> 64); a GPU's conversion instruction rounds to nearest even, as torch does.
-CPU_FP8_WRITE = "the fp8 KV write through Triton's interpreter rounds wrongly: on a CPU, PagedKVCache.write"
+# kv_quant's constants where a kernel can read them (a global read inside a kernel must be a constexpr)
+_ROUND, _NAN_SCALE_BITS = tl.constexpr(kv_quant.ROUND), tl.constexpr(kv_quant.NAN_SCALE_BITS)
+_E4M3_MIN_NORMAL = tl.constexpr(kv_quant.E4M3_MIN_NORMAL)
+_E4M3_MANTISSA_STEP = tl.constexpr(kv_quant.E4M3_MANTISSA_STEP)
 
 
 @triton.jit
@@ -43,21 +44,33 @@ def _quantize_store(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QMAX: tl.constexpr,
-    ROUND: tl.constexpr,
+    INV_QMAX: tl.constexpr,
+    SCALE_MAX: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    """One token's [H_PAD, D_PAD] tile of x -> 8-bit values at its slot of the cache, a scale per head."""
+    """One token's [H_PAD, D_PAD] tile of x -> 8-bit values at its slot of the cache, a scale per head:
+    ``kv_quant.quantize``, step for step."""
     h = heads[:, None]  # [H_PAD, 1]
     mask = (h < NUM_HEADS) & (d < HEAD_DIM)
     x = tl.load(x_ptr + i * stride_xn + h * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    nan = tl.max((x != x).to(tl.int32), 1) > 0  # [H_PAD]
+    x = tl.where(x != x, 0.0, x)
     amax = tl.max(tl.abs(x), 1)  # [H_PAD]
-    scale = tl.minimum(tl.math.div_rn(amax, QMAX), 65504.0).to(tl.float16)  # as torch: fp32, then fp16
-    s = scale.to(tl.float32)[:, None]  # [H_PAD, 1] the rounded scale: what the attention multiplies by
-    y = tl.where(s > 0, tl.math.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)  # a scale of 0 -> 0, not NaN
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if ROUND:
-        y = tl.floor(y + 0.5)  # round to nearest, half up (kv_cache.quantize rounds the same way)
+    scale = tl.minimum(amax * INV_QMAX, SCALE_MAX).to(tl.float16)  # rounded to nearest even
+    s = scale.to(tl.float32)
+    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s, 1.0)), 0.0)[:, None]  # [H_PAD, 1]
+    y = tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)  # [H_PAD, D_PAD]
+    if FP8:  # e4m3's spacing at |y|, a power of two (see kv_quant.quantize)
+        step = (tl.abs(y).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        step = tl.maximum(step, _E4M3_MIN_NORMAL) * _E4M3_MANTISSA_STEP
+        y = ((tl.math.div_rn(y, step) + _ROUND) - _ROUND) * step
+    else:
+        y = (y + _ROUND) - _ROUND
+    scale_bits = tl.where(nan, _NAN_SCALE_BITS, scale.to(tl.int16, bitcast=True)).to(tl.int16)
     tl.store(cache_ptr + slot * stride_cn + h * stride_ch + d, y.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + slot * stride_sn + heads, scale, mask=heads < NUM_HEADS)
+    tl.store(
+        scale_ptr + slot * stride_sn + heads, scale_bits.to(tl.float16, bitcast=True), mask=heads < NUM_HEADS
+    )
 
 
 # slot_mapping is a slice of the runner's packed copy, its alignment changing from step to step: not
@@ -83,14 +96,16 @@ def _write_kv_quantized_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     QMAX: tl.constexpr,
-    ROUND: tl.constexpr,
+    INV_QMAX: tl.constexpr,
+    SCALE_MAX: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """New token i's keys and values [H, D], quantized per head, at its cache slot (the pools seen as
     [num_slots, H, D], the scales as [num_slots, H]).
 
     Grid: (N,). Each program loads one [H_PAD, D_PAD] tile of k and of v (padding masked to 0, so it
-    never raises an amax), takes each head's amax in fp32, stores the float16 scale amax / QMAX and the
-    values x / scale clamped to +-QMAX (int8: rounded) in the pool's dtype. Slots in int64.
+    never raises an amax), takes each head's amax in fp32 and stores its float16 scale and 8-bit values
+    (``kv_quant.quantize``). Slots in int64.
     """
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + i).to(tl.int64)
@@ -112,7 +127,9 @@ def _write_kv_quantized_kernel(
         NUM_HEADS,
         HEAD_DIM,
         QMAX,
-        ROUND,
+        INV_QMAX,
+        SCALE_MAX,
+        FP8,
     )
     _quantize_store(
         v_ptr,
@@ -130,7 +147,9 @@ def _write_kv_quantized_kernel(
         NUM_HEADS,
         HEAD_DIM,
         QMAX,
-        ROUND,
+        INV_QMAX,
+        SCALE_MAX,
+        FP8,
     )
 
 
@@ -148,9 +167,8 @@ def write_kv_quantized(
     k_cache, v_cache: [num_blocks, block_size, H, D] int8 or float8_e4m3fn, contiguous; k_scale, v_scale:
     [num_blocks, block_size, H] float16, contiguous; k, v: [N, H, D] (rows of any stride, D contiguous);
     slot_mapping: [N] int32/int64, slot = block * block_size + offset. Bit for bit what
-    ``PagedKVCache.write`` stores for an 8-bit pool (``kv_cache.quantize``) on a GPU; fp8 through Triton's
-    interpreter is not (``CPU_FP8_WRITE``), so the engine writes through this kernel on CUDA only. Raises
-    ValueError, naming the argument, on mismatched shapes, dtypes, layouts or devices, and for fp8 on a CPU.
+    ``kv_quant.quantize`` makes, on a GPU and through Triton's interpreter. Raises ValueError, naming the
+    argument, on mismatched shapes, dtypes, layouts or devices.
     """
     _check_index_tensor("slot_mapping", slot_mapping, 1, k.device)
     N, H, D = k.shape
@@ -173,8 +191,6 @@ def write_kv_quantized(
     if len({t.device for t in (k, v, k_cache, v_cache, k_scale, v_scale)}) != 1:
         raise ValueError("k, v, the caches and their scales must be on one device")
     _check_usable(k.device)
-    if k.device.type == "cpu" and k_cache.dtype == torch.float8_e4m3fn:
-        raise ValueError(CPU_FP8_WRITE)
     if N == 0:
         return
     _write_kv_quantized_kernel[(N,)](
@@ -196,9 +212,12 @@ def write_kv_quantized(
         H_PAD=triton.next_power_of_2(H),
         HEAD_DIM=D,
         D_PAD=triton.next_power_of_2(D),
-        QMAX=qmax(k_cache.dtype),
-        ROUND=k_cache.dtype == torch.int8,
+        QMAX=kv_quant.qmax(k_cache.dtype),
+        INV_QMAX=kv_quant.inv_qmax(k_cache.dtype),
+        SCALE_MAX=kv_quant.scale_max(k_cache.dtype),
+        FP8=k_cache.dtype != torch.int8,
         num_warps=4,
+        enable_fp_fusion=False,  # x * inv then + ROUND must round twice, as torch's two operations do
     )
 
 

@@ -23,9 +23,9 @@ from common.weights import GPT2Config, load_config, load_safetensors, resolve_mo
 from .kv_cache import PagedKVCache
 
 try:
-    from . import kernels, kv_write
+    from . import kernels
 except ImportError:  # Triton is not installed: only the "torch" attention backend
-    kernels = kv_write = None
+    kernels = None
 
 # GPT-2 was written with a "Conv1D" layer that stores its weight as [in, out]; nn.Linear stores [out, in].
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -54,16 +54,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(N, self.n_head, self.head_dim)  # [N, H, D]
         k = k.view(N, self.n_head, self.head_dim)  # [N, H, D]
         v = v.view(N, self.n_head, self.head_dim)  # [N, H, D]
-        if meta.attention_backend == "triton" and kv_cache.quantized and x.is_cuda:  # 8 bits, one kernel
-            layer_pool = (
-                kv_cache.k[layer],
-                kv_cache.v[layer],
-                kv_cache.k_scale[layer],
-                kv_cache.v_scale[layer],
-            )
-            kv_write.write_kv_quantized(*layer_pool, k, v, meta.slot_mapping)
-        else:
-            kv_cache.write(layer, k, v, meta.slot_mapping)  # into the pool, at each new token's slot
+        kv_cache.write(layer, k, v, meta.slot_mapping)  # into the pool, at each new token's slot
         if meta.attention_backend == "triton":  # one kernel launch for the whole batch, keys read in place
             y = kernels.paged_attention(
                 q,
@@ -73,9 +64,7 @@ class CausalSelfAttention(nn.Module):
                 meta.seq_lens,
                 meta.query_start_loc_t,
                 meta.max_query_len,
-                k_scale=kv_cache.k_scale[
-                    layer
-                ],  # 8 bits: dequantized in the kernel (None: the model's dtype)
+                k_scale=kv_cache.k_scale[layer],  # 8 bits: dequantized in the kernel (None: auto)
                 v_scale=kv_cache.v_scale[layer],
             )  # [N, H, D]
         else:
