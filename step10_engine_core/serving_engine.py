@@ -230,8 +230,8 @@ class OpenAIServing:
             return self.bridge.submit(requests)
         except QueueFullError as e:
             raise queue_full(e) from None
-        except EngineDeadError:
-            raise engine_dead(self.bridge.error) from None
+        except EngineDeadError as e:  # the core's death, or a send it could not take
+            raise engine_dead(self.bridge.error or e) from None
 
     # ---- the two ways an answer leaves: a whole JSON body, or Server-Sent Events ----
 

@@ -3,10 +3,11 @@
 The oracle is step 9's engine, in process. Through ``LLM`` (the core in this process and in a child) and the
 server (the core in a child): greedy and seeded outputs, stop strings and tokens, n choices, logprobs,
 aborts, preemption, prefix-cache hits, streamed and not. The frontend's parts alone: stop strings across
-tokens, ``stream_interval``, the collector. Faults, as processes: the core killed (streams end with an error
-event and ``[DONE]``, 503s, exit 1), a step that raises, the server killed (the core exits, no socket left),
-SIGTERM and SIGINT, an engine that cannot start, a client that disconnects (nothing running, no KV block in
-use). Waits poll for the event with a generous bound (``SAFETY_NET_S``), never a fixed sleep.
+tokens, ``stream_interval``, the collector. Faults, as processes: the core killed or stopped by a signal
+(streams end with an error event and ``[DONE]``, 503s, never a 500, exit 1), a step that raises, the server
+killed (the core exits, no socket left), SIGTERM and SIGINT to the server, an engine that cannot start, a
+client that disconnects (nothing running, no KV block in use). Waits poll for the event with a generous
+bound (``SAFETY_NET_S``), never a fixed sleep.
 """
 
 from __future__ import annotations
@@ -362,6 +363,37 @@ def test_a_step_that_raises_is_reported_and_the_core_exits_1(demo_snapshot, capf
     assert "ZeroDivisionError" in capfd.readouterr().err  # the core's traceback, on the shared stderr
 
 
+class StoppingCoreClient(SyncMPClient):
+    """A core that a signal stops at its first request (raised where the signal's handler raises it) and
+    that then lingers with its sockets closed, as an exiting interpreter can for a second (patched in the
+    child: its ``Context.term`` sleeps, SIGTERM's default action restored, so that shutdown ends it)."""
+
+    entry = (
+        "import signal, sys, time, zmq; from {package} import engine_core as ec; "
+        "zmq.Context.term = lambda self: (signal.signal(signal.SIGTERM, signal.SIG_DFL), time.sleep(600)); "
+        "ec.EngineCore.add_request = lambda self, r: (_ for _ in ()).throw(ec.ShutdownRequested('SIGTERM')); "
+        "sys.exit(ec.main())"
+    )
+
+
+def test_a_send_the_stopping_core_cannot_take_is_its_death(demo_snapshot):
+    """Between a stopping core's closing its sockets and its exit, a send finds no reader (``zmq.Again``):
+    the client is dead from then on (EngineDeadError, ``alive`` False), as the server's 503 needs; and the
+    core's last word, read from the output socket, says that SIGTERM stopped it."""
+    client = StoppingCoreClient(EngineArgs(model=str(demo_snapshot)))
+    try:
+        client.add_request(EngineCoreRequest("r0", [1, 2], SamplingParams(max_tokens=2)))  # stops the core
+        with pytest.raises(EngineDeadError, match=f"pid {client.proc.pid}"):
+            for i in range(1, 10**7):  # until its input socket has closed (a safety net, not a measure)
+                client.add_request(EngineCoreRequest(f"r{i}", [1, 2], SamplingParams(max_tokens=2)))
+        assert not client.alive and client.proc.poll() is None  # dead to the frontend, not yet exited
+        last = output_decoder().decode(client.output.recv())
+        assert last.error_type == "ShutdownRequested" and "stopped by SIGTERM" in last.message
+    finally:
+        client.shutdown()
+    assert not os.path.exists(client.socket_dir)
+
+
 def test_an_engine_that_cannot_start_raises_its_error(demo_snapshot):
     """A pool too large for the machine: the core's own error, raised by the constructor, as in process;
     the child has exited and its sockets are gone. An unknown argument, a bad dtype: refused here, before
@@ -555,9 +587,12 @@ def test_a_client_that_disconnects_is_aborted_in_the_core(servers):
     assert (s["running"], s["kv_blocks_used"]) == (0, 0)
 
 
-def test_a_killed_core_ends_every_stream_and_health_says_503(demo_snapshot):
-    """kill -9 of the engine core with two streams open: each ends with an OpenAI-style error event, then
-    [DONE]; /health answers 503, and so does a new request."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_core_killed_or_stopped_ends_every_stream_and_health_says_503(demo_snapshot, sig):
+    """kill -9, SIGTERM or SIGINT to the engine core with two streams open: each ends with an OpenAI-style
+    error event naming the signal (the monitor's words, or the core's last word), then [DONE]; from the
+    signal on, a new request gets 200 (the core had not stopped yet) or 503 in OpenAI's shape, never a 500
+    (a send the stopping core can no longer take is its death too); then /health answers 503."""
     client = AsyncMPClient(EngineArgs(model=str(demo_snapshot)))
     body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with serve(build_app(client)) as url, httpx.Client(base_url=url, timeout=SAFETY_NET_S) as http:
@@ -568,16 +603,24 @@ def test_a_killed_core_ends_every_stream_and_health_says_503(demo_snapshot):
         ):
             lines_a = (line for line in a.iter_lines() if line.startswith("data: "))
             first = next(lines_a)
-            os.kill(client.config.pid, signal.SIGKILL)
+            os.kill(client.config.pid, sig)
+            answers = []  # new requests while the core stops, until the server says it has
+            while not answers or answers[-1].status_code != 503:
+                answers.append(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}))
+                assert len(answers) < 10_000, "the server never noticed"
             streams = [[first, *lines_a], [line for line in b.iter_lines() if line.startswith("data: ")]]
         for lines in streams:
             assert lines[-1] == "data: [DONE]"
             error = json.loads(lines[-2][6:])["error"]
             assert error["type"] == "server_error" and error["code"] == "engine_dead"
-            assert "SIGKILL" in error["message"]
+            assert sig.name in error["message"]
+        failed = [r.text for r in answers if r.status_code not in (200, 503)]
+        assert failed == []
+        assert answers[-1].json()["error"]["code"] == "engine_dead"
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={**body, "stream": False})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert sig.name in r.json()["error"]["message"]
     assert not os.path.exists(client.socket_dir)
 
 
@@ -642,7 +685,8 @@ class Cli:
 
 
 @pytest.mark.slow
-def test_cli_exits_1_when_its_core_is_killed(demo_snapshot):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_cli_exits_1_when_its_core_is_killed_or_stopped(demo_snapshot, sig):
     cli = Cli("--model", str(demo_snapshot)).start()
     body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
     try:
@@ -650,14 +694,14 @@ def test_cli_exits_1_when_its_core_is_killed(demo_snapshot):
             with http.stream("POST", "/v1/completions", json=body) as r:
                 lines = (line for line in r.iter_lines() if line.startswith("data: "))
                 first = next(lines)
-                os.kill(cli.core_pid, signal.SIGKILL)
+                os.kill(cli.core_pid, sig)
                 lines = [first, *lines]
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "engine_dead"
         _, err = cli.proc.communicate(timeout=SAFETY_NET_S)
     finally:
         cli.stop()
     assert cli.proc.returncode == 1, err
-    assert "SIGKILL" in err and "Traceback" not in err
+    assert sig.name in err and "Traceback" not in err
     assert not os.path.exists(cli.socket_dir)
 
 

@@ -3,14 +3,16 @@ once when it dies (vLLM's ``EngineCoreClient``): ``InprocClient`` (the core in t
 directly: ``LLM`` on a CPU), ``SyncMPClient`` (in a child process, for ``LLM``), ``AsyncMPClient`` (the same
 for the server's event loop, zmq.asyncio). Starting: two ``ipc://`` sockets in a private directory
 (``mkdtemp``: mode 0700), the child in a session of its own with the engine's arguments as JSON, its
-``EngineCoreReady`` awaited (its start-up error raised here). A monitor thread waits on the child: a death
-nobody asked for (``kill -9``, a crash) marks the client dead and wakes the reader with an
-``EngineCoreDead`` (vllm #21728). ``shutdown`` (also at exit) stops the child (SIGTERM, then SIGKILL) and
-removes the directory. The MP clients are not thread-safe: one thread (or event loop) uses each.
+``EngineCoreReady`` awaited (its start-up error raised here). The client is dead from the core's last word
+(``EngineCoreDead``), a send it cannot take (its socket closed), or the monitor thread, which waits on the
+child: a death nobody asked for (``kill -9``) wakes the reader with an ``EngineCoreDead`` (vllm #21728).
+``shutdown`` (also at exit) stops the child (SIGTERM, then SIGKILL) and removes the directory. The MP
+clients are not thread-safe: one thread (or event loop) uses each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -137,7 +139,8 @@ def _monitor(link: _Link, output_address: str) -> None:
     if link.closing.is_set():
         return
     how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
-    link.dead = EngineDeadError(f"the engine core process (pid {link.proc.pid}) {how}")
+    if link.dead is None:  # else a failed send found it first, or the core's last word was read
+        link.dead = EngineDeadError(f"the engine core process (pid {link.proc.pid}) {how}")
     try:
         wake = link.context.socket(zmq.PUSH)
         wake.connect(output_address)
@@ -239,21 +242,30 @@ class MPClient(EngineCoreClient):
         self._send(request)
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:
-        self._send(EngineCoreAbort(request_id, index))
+        with contextlib.suppress(EngineDeadError):  # a dead core holds nothing to abort
+            self._send(EngineCoreAbort(request_id, index))
 
     def _send(self, message) -> None:
+        """Queue ``message`` for the core; raises EngineDeadError if it is dead, or if it cannot take the
+        message: its input socket has closed (``zmq.Again``: a stopping core closes it before it exits)."""
         if not self.alive:
             raise self.dead_error
-        self.input.send(self.encoder.encode(message), zmq.NOBLOCK, copy=False)  # no HWM: never blocks
+        try:
+            self.input.send(self.encoder.encode(message), zmq.NOBLOCK, copy=False)  # no HWM: never blocks
+        except zmq.ZMQError as e:
+            if self._link.dead is None:
+                self._link.dead = EngineDeadError(
+                    f"the engine core process (pid {self.proc.pid}) takes no more requests ({e})"
+                )
+            raise self._link.dead from None
 
     def _received(self, frame) -> EngineCoreOutputs:
         """The outputs of one message; raises EngineDeadError on the core's last word (or the monitor's)."""
         message = self.decoder.decode(frame)
         if isinstance(message, EngineCoreOutputs):
             return message
-        if isinstance(message, EngineCoreDead):
-            if self._link.dead is None:
-                self._link.dead = EngineDeadError(message.message)
+        if isinstance(message, EngineCoreDead):  # the core's last word says best why (or the monitor's)
+            self._link.dead = EngineDeadError(message.message)
             raise self._link.dead
         raise RuntimeError(f"unexpected message from the engine core: {type(message).__name__}")
 

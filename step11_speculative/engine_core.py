@@ -3,8 +3,8 @@
 (``InprocClient`` calls it directly); ``run_engine_core`` is the process's busy loop: between two steps it
 takes whatever requests and aborts have arrived (blocking on the socket only when idle), steps, and sends
 one ``EngineCoreOutputs``. It sends ``EngineCoreReady`` once loaded; ``EngineCoreDead`` and exit status 1
-if the engine fails to start or a step raises; it stops cleanly (status 0) on SIGTERM or SIGINT; a watchdog
-thread exits within a second, removing the socket directory, if its parent dies (``kill -9``). ``main``:
+if the engine fails to start or a step raises; on SIGTERM or SIGINT, ``EngineCoreDead`` first, then status
+0; a watchdog thread exits within a second, removing the socket directory, if its parent dies. ``main``:
 ``--input ADDR --output ADDR --parent-pid PID --socket-dir DIR --engine-args JSON``. Sources: vLLM's
 ``vllm/v1/engine/core.py``; SGLang's ``kill_itself_when_parent_died``.
 """
@@ -120,8 +120,9 @@ class ShutdownRequested(BaseException):
 def run_engine_core(input_address: str, output_address: str, engine_args: dict) -> int:
     """The process's life: load the engine, say ready, then the busy loop; returns the exit status.
 
-    0: stopped by SIGTERM or SIGINT. 1: the engine failed to start or a step raised (``EngineCoreDead``
-    sent first, with the error)."""
+    0: stopped by SIGTERM or SIGINT. 1: the engine failed to start or a step raised. Either way its last
+    word, ``EngineCoreDead`` (the signal, or the error), is sent before its sockets close: from then on the
+    frontend's sends fail, and it must already know why."""
 
     def stop(signum, frame):
         raise ShutdownRequested(signal.Signals(signum).name)
@@ -167,7 +168,9 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
                         core.abort_request(message)
             if core.has_work():
                 outputs.send(encoder.encode(core.step()), copy=False)
-    except ShutdownRequested:
+    except ShutdownRequested as e:  # the last word first: requests sent from now on find no reader
+        stopped = f"the engine core process (pid {os.getpid()}) was stopped by {e}"
+        outputs.send(encoder.encode(EngineCoreDead(type(e).__name__, stopped, during_startup=core is None)))
         status = 0
     except Exception as e:  # noqa: BLE001 -- a step raised: tell the frontend, then exit non-zero
         traceback.print_exc()
@@ -175,7 +178,7 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
         status = 1
     finally:
         gc.unfreeze()  # so that exit frees them (else triton's bindings report each as leaked)
-        outputs.close(linger=2000)  # deliver the last word (an error), but never hang on a dead frontend
+        outputs.close(linger=2000)  # deliver the last word, but never hang on a dead frontend
         inputs.close(linger=0)
         context.term()
     return status

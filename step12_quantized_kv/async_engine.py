@@ -196,7 +196,13 @@ class AsyncEngine:
             r.collector, r.submitted = collector, now
             self.output_processor.add_request(r.request_id, None, r.prompt_token_ids, r.params)
             self._routes[r.request_id] = r
-            self.client.add_request(EngineCoreRequest(r.request_id, r.prompt_token_ids, r.params))
+            try:
+                self.client.add_request(EngineCoreRequest(r.request_id, r.prompt_token_ids, r.params))
+            except EngineDeadError:  # its socket closed: the core is stopping (its last word on its way)
+                for sent in requests:
+                    self._routes.pop(sent.request_id, None)
+                    self.output_processor.abort_request(sent.request_id)
+                raise
             self._num_sent += 1
         stream = RequestStream(self, collector, {r.request_id: r.index for r in requests})
         self._streams.add(stream)

@@ -122,9 +122,10 @@ class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):
 
 
 class EngineCoreDead(msgspec.Struct, array_like=True, tag="dead"):
-    """The core cannot go on: it failed to start (``during_startup``) or a step raised; then it exits
-    non-zero. error_type: the exception's class name ("ValueError", ...); message: its text. The frontend's
-    monitor sends one too, for the core, when the process has died without a word (``kill -9``)."""
+    """The core's last word, sent before its sockets close: it failed to start (``during_startup``) or a
+    step raised (then it exits 1), or SIGTERM or SIGINT stopped it (error_type "ShutdownRequested"; exit 0).
+    error_type: the exception's class name ("ValueError", ...); message: its text. The frontend's monitor
+    sends one too, for the core, when the process has died without a word (``kill -9``)."""
 
     error_type: str
     message: str
