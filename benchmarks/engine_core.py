@@ -512,13 +512,13 @@ class SyntheticCore:
 
         self.m = m = importlib.import_module(f"{package}.messages")
         config = load_config(folder)
+        self.stats = m.EngineCoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
         self.config = m.EngineCoreReady(
-            os.getpid(), str(folder), config, config.n_positions, max_num_seqs, 0, 16, {}
+            os.getpid(), str(folder), config, config.n_positions, max_num_seqs, 0, 16, {}, self.stats
         )
         self.token_ids, self.start_after, self.alive = token_ids, start_after, True
         self.running: dict[str, list[int]] = {}  # request id -> [max_tokens, tokens so far]
         self.num_received, self.steps, self.core_s, self.first_step = 0, 0, 0.0, None
-        self.stats = m.EngineCoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
         self.encoder, self.decoder = m.output_encoder(), m.output_decoder()
         self.arrived: asyncio.Event | None = None
         self.profiler: cProfile.Profile | None = None  # switched on at the first step

@@ -83,6 +83,7 @@ class EngineCore:
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
             features=engine_features(self.engine),
+            stats=EngineCoreStats(**vars(self.engine.stats)),
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

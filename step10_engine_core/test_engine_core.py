@@ -450,6 +450,18 @@ def test_the_server_unfreezes_at_shutdown_what_it_froze_at_start_up(demo_snapsho
     assert gc.get_freeze_count() == 0
 
 
+def test_a_fresh_core_reports_its_pool_before_any_request(demo_snapshot):
+    """The core's ready message carries the scheduler's stats: /v1/engine/stats (the page's figures) holds
+    the pool from the start, not 0 of 0 blocks, and so does ``LLM.stats`` in process and in a child."""
+    client = AsyncMPClient(EngineArgs(model=str(demo_snapshot), num_kv_blocks=7))
+    with serve(build_app(client)) as url:
+        stats = httpx.get(f"{url}/v1/engine/stats").json()
+    assert (stats["kv_blocks_used"], stats["kv_blocks_total"], stats["kv_cache_usage"]) == (0, 7, 0.0)
+    assert (stats["running"], stats["waiting"], stats["steps"]) == (0, 0, 0)
+    assert client.config.stats.num_blocks == 7  # what SyncMPClient hands LLM.stats, as the same message
+    assert LLM(model=str(demo_snapshot), num_kv_blocks=7).stats.num_blocks == 7
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 

@@ -108,8 +108,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):
 
 class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):
     """Sent once, when the engine has loaded: what the frontend needs of the resolved configuration (the
-    snapshot folder for its tokenizer, the model's config, the limits its checks use), the core's pid, and
-    how the engine runs (``engine_features``: the start-up line, /v1/engine/stats and the page show it)."""
+    snapshot folder for its tokenizer, the model's config, the limits its checks use), the core's pid, how
+    the engine runs (``engine_features``: the start-up line, /v1/engine/stats and the page show it), and the
+    scheduler's stats before any request (its pool: the frontend's figures are right from the start)."""
 
     pid: int
     folder: str
@@ -119,6 +120,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):
     num_kv_blocks: int
     block_size: int
     features: dict[str, str | bool]
+    stats: EngineCoreStats
 
 
 class EngineCoreDead(msgspec.Struct, array_like=True, tag="dead"):

@@ -129,6 +129,7 @@ class AsyncEngine:
         self._streams: set[RequestStream] = set()  # streams with unfinished requests
         self._task: asyncio.Task | None = None
         self._stepped = asyncio.Event()  # set after every message of the core
+        self._publish(client.config.stats, stepped=False)  # the pool and the counts, before any request
 
     def start(self) -> None:
         """Start the output handler (in the running event loop)."""
@@ -280,7 +281,7 @@ class AsyncEngine:
         if m and tokens:
             m.generation_tokens.inc(tokens)  # once per call
 
-    def _publish(self, s: EngineCoreStats) -> None:
+    def _publish(self, s: EngineCoreStats, stepped: bool = True) -> None:
         prev = self.stats
         stats = LoopStats(
             s.num_running_reqs,
@@ -295,7 +296,7 @@ class AsyncEngine:
             s.spec_decode_num_draft_tokens,
             s.spec_decode_num_accepted_tokens,
             s.spec_decode_num_accepted_tokens_per_pos,
-            prev.steps + 1,
+            prev.steps + stepped,
             max(prev.max_running, s.num_running_reqs),
         )
         self.stats = stats

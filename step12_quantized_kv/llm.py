@@ -52,7 +52,7 @@ class LLM:
         self.config = args.hf_config
         self.processor = Processor.for_core(self.tokenizer, self.engine_core.config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats: EngineCoreStats | None = None
+        self.stats: EngineCoreStats = self.engine_core.config.stats  # the pool, before any request
         self._request_ids = itertools.count()
         self._outputs: dict[str, deque[RequestOutput]] = {}  # outputs not yet read, per request of this LLM
 
