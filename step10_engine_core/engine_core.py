@@ -69,6 +69,8 @@ class EngineCore:
     def __init__(self, engine_args: EngineArgs):
         self.engine = LLMEngine(engine_args)
         self.num_received = 0  # requests taken since the start (the frontend counts those in transit)
+        self.num_aborts_received = 0  # aborts taken since the start; those that the last step reported:
+        self.num_aborts_reported = 0  # a frontend waits for its own to be applied (LLM.stats)
         self.refused: list[EngineCoreOutput] = []
 
     def ready(self) -> EngineCoreReady:
@@ -96,20 +98,30 @@ class EngineCore:
             )
 
     def abort_request(self, abort: EngineCoreAbort) -> None:
+        self.num_aborts_received += 1
         self.engine.abort_request(abort.request_id, abort.index)
 
     def has_work(self) -> bool:
         """Whether a step has something to do or to say: requests to run, a step in flight, the outputs of
-        aborted or refused requests."""
-        return self.engine.has_unfinished_requests() or bool(self.engine.aborted or self.refused)
+        aborted or refused requests, aborts not yet reported (even of requests already finished here)."""
+        return (
+            self.engine.has_unfinished_requests()
+            or bool(self.engine.aborted or self.refused)
+            or self.num_aborts_reported < self.num_aborts_received
+        )
 
     def step(self) -> EngineCoreOutputs:
         """One engine step (if there is anything to run) and its outputs, with the scheduler's stats."""
         started = time.perf_counter()
         outputs, self.refused = self.refused, []
         outputs += self.engine.step()
+        self.num_aborts_reported = self.num_aborts_received
         return EngineCoreOutputs(
-            outputs, EngineCoreStats(**vars(self.engine.stats)), started, self.num_received
+            outputs,
+            EngineCoreStats(**vars(self.engine.stats)),
+            started,
+            self.num_received,
+            self.num_aborts_received,
         )
 
 

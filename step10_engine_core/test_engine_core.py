@@ -140,10 +140,20 @@ def test_llm_streams_equal_step9(llm, oracle):
             for o in oracle.stream_outputs(prompt, step9_prefix_cache.SamplingParams(**fields))
         ]
         assert ours == theirs
+
+
+def test_stats_show_what_a_stop_string_or_a_closed_stream_ended(llm):
+    """A stop string ends a choice in the frontend and a closed stream its request, each after the step
+    whose stats ``LLM`` holds; both are aborted in the core, and ``LLM.stats`` waits for the aborts to be
+    applied (in process: one step; in a child: its next messages): nothing running, no block in use."""
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, stop=[" raised"])
+    (out,) = llm.generate(PROMPTS[2], params)
+    assert out.outputs[0].stop_reason == " raised" and len(out.outputs[0].token_ids) < 400
+    assert (llm.stats.num_running_reqs, llm.stats.num_waiting_reqs, llm.stats.num_used_blocks) == (0, 0, 0)
     pieces = llm.stream(PROMPTS[0], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     assert [next(pieces) for _ in range(3)]
+    assert llm.stats.num_running_reqs == 1
     pieces.close()  # aborted in the core
-    llm.generate("x", SamplingParams(max_tokens=2, temperature=0))  # a step after the abort reports
     assert (llm.stats.num_running_reqs, llm.stats.num_waiting_reqs, llm.stats.num_used_blocks) == (0, 0, 0)
 
 
