@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 
+import torch
 import zmq
 
 from .config import EngineArgs
@@ -43,13 +44,14 @@ PARENT_CHECK_S = 0.2  # how often the watchdog looks for its parent
 EXPECTED_STARTUP_ERRORS = (ValueError, TypeError, ConnectionError)
 
 
-def engine_features(engine: LLMEngine) -> dict[str, str | bool]:
-    """How ``engine`` runs, as it resolved its arguments: names (device, dtype, attention backend), and
-    True / False for each mechanism that can be on or off."""
+def engine_features(engine: LLMEngine) -> dict[str, str | bool | int]:
+    """How ``engine`` runs, as it resolved its arguments: names (device, dtype, attention backend), the
+    process's torch threads, and True / False for each mechanism that can be on or off."""
     args = engine.args
     return {
         "device": str(args.torch_device),
         "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
         "attention_backend": args.attention_backend,
         "cuda_graphs": engine.model_runner.graph_runner is not None,  # captured at start-up
         "async_scheduling": args.async_scheduling,
@@ -125,6 +127,23 @@ class EngineCore:
         )
 
 
+def limit_torch_threads() -> str | None:
+    """One torch thread for the core process when OMP_NUM_THREADS is unset, as vLLM's workers do
+    (``set_multiprocessing_worker_envs``): torch's default, a thread per core, makes its threads wait for
+    each other whenever another process runs on those cores (the frontend, a client: a server on a 2-core
+    CPU ran 8-13x slower). Returns the line that says so, or None (the variable is set, or one thread)."""
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or threads == 1:
+        return None
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    return (
+        f"engine core: torch threads {threads} -> 1, as OMP_NUM_THREADS is unset (vLLM's workers do the "
+        "same: threads that share their cores with the frontend or a client wait for each other); set "
+        "OMP_NUM_THREADS to choose"
+    )
+
+
 class ShutdownRequested(BaseException):
     """SIGTERM or SIGINT arrived: leave the loop (raised by the signal handler, wherever the loop is)."""
 
@@ -141,6 +160,7 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    threads_line = limit_torch_threads()  # before the engine loads
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.setsockopt(zmq.RCVHWM, 0)  # never drop or block: the frontend's sends are the backpressure
@@ -160,6 +180,8 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
                 traceback.print_exc()
             outputs.send(encoder.encode(EngineCoreDead(type(e).__name__, str(e), during_startup=True)))
             return 1
+        if threads_line:  # said once loaded (a core that fails to start says only why)
+            print(threads_line, file=sys.stderr, flush=True)
         outputs.send(encoder.encode(core.ready()))
         gc.collect()
         gc.freeze()  # the engine, its model and pool live on: no collection scans them again (vLLM #24008)

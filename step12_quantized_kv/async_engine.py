@@ -36,7 +36,7 @@ MAX_STEPS_PER_WAKEUP = 8  # steps read at once when the output handler is behind
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineRequest", "QueueFullError", "RequestStream"]
 
 
-def describe_features(features: dict[str, str | bool]) -> str:
+def describe_features(features: dict[str, str | bool | int]) -> str:
     """``features`` as words on one line, e.g. "device cpu, dtype float32, attention backend torch"."""
     return ", ".join(
         f"{name.replace('_', ' ')} {('on' if value else 'off') if isinstance(value, bool) else value}"

@@ -121,7 +121,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):
     max_num_seqs: int
     num_kv_blocks: int
     block_size: int
-    features: dict[str, str | bool]
+    features: dict[str, str | bool | int]
     stats: EngineCoreStats
 
 
