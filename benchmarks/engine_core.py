@@ -546,7 +546,7 @@ class SyntheticCore:
             if finish:
                 del self.running[request_id]
         self.steps += 1
-        out = self.m.EngineCoreOutputs(outputs, self.stats, time.perf_counter(), self.num_received, 0)
+        out = self.m.EngineCoreOutputs(outputs, self.stats, time.perf_counter(), self.num_received, 0, {})
         self.core_s += time.thread_time() - started
         return out
 

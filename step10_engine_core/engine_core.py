@@ -113,17 +113,24 @@ class EngineCore:
         )
 
     def step(self) -> EngineCoreOutputs:
-        """One engine step (if there is anything to run) and its outputs, with the scheduler's stats."""
+        """One engine step (if there is anything to run) and its outputs, with the scheduler's stats and
+        the prefix-cache hits of the requests it prefilled."""
         started = time.perf_counter()
         outputs, self.refused = self.refused, []
         outputs += self.engine.step()
         self.num_aborts_reported = self.num_aborts_received
+        cached = {  # the requests this step prefilled (each choice of n says the same)
+            (seq.parent or seq).request_id: seq.metrics.num_cached_tokens
+            for seq in self.engine.scheduler.prefilled
+            if seq.metrics.num_cached_tokens
+        }
         return EngineCoreOutputs(
             outputs,
             EngineCoreStats(**vars(self.engine.stats)),
             started,
             self.num_received,
             self.num_aborts_received,
+            cached,
         )
 
 

@@ -32,6 +32,8 @@ import msgspec
 import pytest
 import torch
 import uvicorn
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import step9_prefix_cache
 
@@ -597,6 +599,53 @@ def test_server_answers_equal_step9(servers, stream):
         assert ours == approx_floats(theirs), (path, body)
 
 
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(servers):
+    """The core says each request's prefix-cache hits (by request, from the step that prefilled it), so
+    ``usage.prompt_tokens_details.cached_tokens`` is step 9's: 0 for a prompt seen the first time, its full
+    blocks but the last token's the second time; completions and chat, whole and streamed (the usage
+    chunk), read with the openai SDK's types."""
+    url = servers[0]
+    kinds = {
+        "/v1/completions": (Completion, Completion),
+        "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
+    }
+    for i, (path, stream) in enumerate([(p, s) for p in kinds for s in (False, True)]):
+        text = f"Request {i} asks the server about modules, packages and the import system"
+        body = (
+            {"prompt": text}
+            if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": text}]}
+        )
+        body |= {"max_tokens": 3, "temperature": 0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        whole, chunk = kinds[path]
+        cached = []
+        for _ in range(2):
+            if stream:
+                with httpx.stream("POST", url + path, json=body, timeout=SAFETY_NET_S) as r:
+                    answer = chunk.model_validate_json(events(r)[-2])
+            else:
+                answer = whole.model_validate_json(
+                    httpx.post(url + path, json=body, timeout=SAFETY_NET_S).text
+                )
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, (answer.usage.prompt_tokens - 1) // BLOCK * BLOCK], (path, stream)
+
+
+def test_outputs_say_the_prompt_tokens_found_in_the_prefix_cache(llm):
+    """``RequestOutput.num_cached_tokens`` (vLLM's name): 0, then the prompt's full blocks but the last
+    token's, for one choice and for n, with the core in process and in a child."""
+    text = (
+        f"The standard library's modules, imported by {'a child' if llm.engine is None else 'this'} process"
+    )
+    params = SamplingParams(max_tokens=3, temperature=0)
+    first, again = (llm.generate(text, params)[0] for _ in range(2))
+    (choices,) = llm.generate(text, SamplingParams(n=2, max_tokens=3, seed=0))
+    hits = (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
+    assert (first.num_cached_tokens, again.num_cached_tokens, choices.num_cached_tokens) == (0, hits, hits)
+
+
 def wait_idle(url: str) -> dict:
     deadline = time.monotonic() + SAFETY_NET_S
     while True:
@@ -617,7 +666,8 @@ def test_a_client_that_disconnects_is_aborted_in_the_core(servers):
     """A client that leaves mid-stream frees its blocks in the core before its 400 tokens: nothing runs
     and no KV block is in use afterwards; a whole answer whose client gives up is aborted too."""
     url = servers[0]
-    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    prompt = "A client that leaves"  # a prompt of its own: the others' prefix-cache hits stay step 9's
+    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     aborts = counter(url, "vllm:request_success_total", finished_reason="abort")
     tokens = counter(url, "vllm:generation_tokens_total")
 

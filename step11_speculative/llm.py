@@ -155,6 +155,7 @@ class LLM:
         choices a stop string ended are aborted in the core."""
         core_outputs = self.engine_core.get_output()
         self._stats, self._num_aborts_applied = core_outputs.stats, core_outputs.num_aborts_received
+        self.output_processor.set_num_cached_tokens(core_outputs.num_cached_tokens)
         done = self.output_processor.process_outputs(core_outputs.outputs)
         for request_id, index in done.to_abort:
             self._abort(request_id, index)

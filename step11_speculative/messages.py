@@ -97,15 +97,18 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):
     """One engine step: the outputs of every request it advanced (and of requests aborted or refused since
     the step before), the scheduler's stats after it, when the step began (``time.perf_counter``: the
-    machine's monotonic clock, comparable across its processes on Linux), and how many requests and how
-    many aborts the core has taken from its socket since it started (the frontend counts the requests still
-    on their way, and knows when the stats show its aborts applied)."""
+    machine's monotonic clock, comparable across its processes on Linux), how many requests and how many
+    aborts the core has taken from its socket since it started (the frontend counts the requests still on
+    their way, and knows when the stats show its aborts applied), and, by request id, the prompt tokens
+    that the requests prefilled in this step found in the prefix cache (those that found any: vLLM's
+    ``num_cached_tokens``, said once per request rather than in every output)."""
 
     outputs: list[EngineCoreOutput]
     stats: EngineCoreStats
     timestamp: float
     num_received: int
     num_aborts_received: int
+    num_cached_tokens: dict[str, int]
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):

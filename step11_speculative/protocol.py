@@ -290,9 +290,14 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], top_n: 
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with cached_tokens, the prompt tokens found in the prefix cache, as
+    ``prompt_tokens_details.cached_tokens`` (OpenAI's field, which vLLM fills the same way)."""
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts

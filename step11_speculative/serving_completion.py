@@ -58,7 +58,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
             completion_chunks(serving, stream, head, echo, req.logprobs, prompt_tokens, include_usage),
         )
     choices = {k: Choice(k, prompt_lens[k // req.n]) for k in indices}
-    await serving.collect(stream, choices, request)
+    cached_tokens = await serving.collect(stream, choices, request)
     body_choices = []
     for c in sorted(choices.values(), key=lambda c: c.index):
         lp = None
@@ -78,7 +78,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
         {
             **head,
             "choices": body_choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
             "system_fingerprint": None,
         }
     )
@@ -96,8 +96,10 @@ async def completion_chunks(
     started: set[int] = set()
     offsets = {i: len(text) for i, text in echo.items()}  # text_offset of each choice's next token
     completion_tokens = 0
+    cached: dict[int, int] = {}  # prompt tokens found in the prefix cache, by request (its first choice)
     extra = {"usage": None} if include_usage else {}
     async for first, out in stream:
+        cached[first] = out.num_cached_tokens
         for c in out.outputs:
             index = first + c.index
             completion_tokens += len(c.token_ids)
@@ -120,4 +122,6 @@ async def completion_chunks(
             }
             yield sse({**head, "choices": [choice], **extra})
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse(
+            {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, sum(cached.values()))}
+        )

@@ -225,6 +225,8 @@ class AsyncEngine:
                 steps = [await self.client.get_output_async()]
                 while len(steps) < MAX_STEPS_PER_WAKEUP and (more := self.client.get_output_nowait()):
                     steps.append(more)  # behind the core: the steps waiting, one output per choice for all
+                for core_outputs in steps:
+                    self.output_processor.set_num_cached_tokens(core_outputs.num_cached_tokens)
                 done = self.output_processor.process_outputs([o for s in steps for o in s.outputs])
                 for request_id, index in done.to_abort:  # a stop string: the core would go on
                     self.client.abort_request(request_id, index)

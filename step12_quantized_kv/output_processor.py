@@ -219,6 +219,14 @@ class OutputProcessor:
         """Forget a request (its outputs from now on are ignored); whether it was unfinished here."""
         return self.requests.pop(request_id, None) is not None
 
+    def set_num_cached_tokens(self, counts: dict[str, int]) -> None:
+        """Record the prompt tokens each request found in the prefix cache (the core's word, by request id,
+        from the step that prefilled it): its outputs carry them (``RequestOutput.num_cached_tokens``)."""
+        for request_id, num_cached_tokens in counts.items():
+            if (state := self.requests.get(request_id)) is not None:
+                for choice in state.choices:
+                    choice.metrics.num_cached_tokens = num_cached_tokens
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Advance each output's choice (text, stop strings); return the outputs due, and which choices to
         abort in the core. ``outputs``: one step's, or several steps' in order (a frontend behind the

@@ -87,7 +87,7 @@ async def create_chat_completion(
             ),
         )
     choices = {j: Choice(j, len(ids)) for j in range(req.n)}
-    await serving.collect(stream, choices, request)
+    cached_tokens = await serving.collect(stream, choices, request)
     body_choices = []
     for c in choices.values():
         lp = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, top_n) if top_n is not None else None
@@ -105,7 +105,7 @@ async def create_chat_completion(
         {
             **head,
             "choices": body_choices,
-            "usage": usage(len(ids), completion_tokens),
+            "usage": usage(len(ids), completion_tokens, cached_tokens),
             "system_fingerprint": None,
         }
     )
@@ -136,8 +136,9 @@ async def chat_chunks(
                 **extra,
             }
         )
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
     async for _, out in stream:  # a streamed output holds one choice's completion
+        cached_tokens = out.num_cached_tokens
         c = out.outputs[0]
         completion_tokens += len(c.token_ids)
         if not c.text and not c.finish_reason and top_n is None:
@@ -164,4 +165,4 @@ async def chat_chunks(
             }
         )
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})

@@ -13,6 +13,7 @@ stays in use. The Triton kernel and the torch backend agree on a chunk of new qu
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from types import SimpleNamespace
 
@@ -21,6 +22,8 @@ import torch
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import step8_async_scheduling
 
@@ -767,6 +770,46 @@ def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
         "async_scheduling": False,
         "prefix_caching": True,
     }
+
+
+def sse_chunks(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(demo_snapshot, llm):
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field, filled as vLLM does): 0 for a prompt
+    seen the first time, its full blocks but the last token's the second time; completions and chat, whole
+    and streamed (the usage chunk), read with the openai SDK's types. ``RequestOutput.num_cached_tokens``
+    (vLLM's name) says the same, for each of n choices."""
+    engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK)
+    kinds = {
+        "/v1/completions": (Completion, Completion),
+        "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
+    }
+    with TestClient(build_app(engine)) as client:
+        for i, (path, stream) in enumerate([(p, s) for p in kinds for s in (False, True)]):
+            text = f"Request {i} asks the server about modules, packages and the import system"
+            body = (
+                {"prompt": text}
+                if path == "/v1/completions"
+                else {"messages": [{"role": "user", "content": text}]}
+            )
+            body |= {"max_tokens": 3, "temperature": 0, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            whole, chunk = kinds[path]
+            cached = []
+            for _ in range(2):
+                r = client.post(path, json=body)
+                answer = chunk.model_validate(sse_chunks(r)[-1]) if stream else whole.model_validate(r.json())
+                cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+            assert cached == [0, (answer.usage.prompt_tokens - 1) // BLOCK * BLOCK], (path, stream)
+    text = "The standard library's modules are imported like any other module"
+    params = SamplingParams(max_tokens=3, temperature=0)
+    first, again = (llm.generate(text, params)[0] for _ in range(2))
+    (choices,) = llm.generate(text, SamplingParams(n=2, max_tokens=3, seed=0))
+    hits = (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
+    assert (first.num_cached_tokens, again.num_cached_tokens, choices.num_cached_tokens) == (0, hits, hits)
 
 
 def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):

@@ -111,13 +111,12 @@ UNCHANGED_FROM_PREVIOUS = {
         "__main__.py",
     ],
     # step 9 changes the block manager, the scheduler, sequences and SamplingParams (n), the prefill's
-    # inputs and attention over cached context, and the server's n and metrics: the sampler, the kernels,
-    # the graphs and the wire types stay
+    # inputs and attention over cached context, and the server's n, metrics and usage (the prompt tokens
+    # found cached): the sampler, the kernels, the graphs and the command line stay
     "step9_prefix_cache": [
         "sampler.py",
         "kernels.py",
         "cuda_graph.py",
-        "protocol.py",
         "__main__.py",
     ],
     # step 10 moves the step loop into a process of its own and the text out of it: the sequence loses
