@@ -32,7 +32,7 @@ import msgspec
 import pytest
 import torch
 import uvicorn
-from openai.types import Completion
+from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import step9_prefix_cache
@@ -644,6 +644,42 @@ def test_outputs_say_the_prompt_tokens_found_in_the_prefix_cache(llm):
     (choices,) = llm.generate(text, SamplingParams(n=2, max_tokens=3, seed=0))
     hits = (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
     assert (first.num_cached_tokens, again.num_cached_tokens, choices.num_cached_tokens) == (0, hits, hits)
+
+
+def continuous_usages(base_url: str, path: str, include_usage: bool) -> list:
+    """The usage of every chunk of a stream of n = 2 choices x 6 tokens asked with vLLM's
+    ``continuous_usage_stats`` (and OpenAI's ``include_usage`` or not), read with the openai SDK's types;
+    checks what every chunk's usage must say: the prompt's tokens, the completion tokens streamed so
+    far (never fewer than the chunk before), their sum; with include_usage, a last chunk without choices."""
+    prompt = {"prompt": "The Python interpreter"}
+    if path == "/v1/chat/completions":
+        prompt = {"messages": [{"role": "user", "content": "What is a list?"}]}
+    options = {"continuous_usage_stats": True, "include_usage": include_usage}
+    body = {**prompt, "max_tokens": 6, "n": 2, "seed": 1, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", base_url + path, json={**body, "stream_options": options}, timeout=SAFETY_NET_S
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(chunk.get("usage") for chunk in chunks), chunks
+    for chunk in chunks if path == "/v1/chat/completions" else []:  # (the SDK's Completion wants a
+        ChatCompletionChunk.model_validate(chunk)  # finish_reason in every chunk: its usage alone, below)
+    usages = [CompletionUsage.model_validate(chunk["usage"]) for chunk in chunks]
+    assert [chunk["choices"] == [] for chunk in chunks] == [False] * (len(chunks) - include_usage) + [
+        True
+    ] * include_usage
+    assert {u.prompt_tokens for u in usages} == {usages[-1].prompt_tokens} and usages[-1].prompt_tokens > 0
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 2 * 6
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    return usages
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(servers, path):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it) is honoured, with OpenAI's
+    ``include_usage`` and without it (``continuous_usages``)."""
+    for include_usage in (False, True):
+        continuous_usages(servers[0], path, include_usage)
 
 
 def wait_idle(url: str) -> dict:

@@ -92,7 +92,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    """OpenAI's ``include_usage`` (a last chunk with the usage); vLLM's ``continuous_usage_stats`` (every
+    chunk carries the usage so far, as guidellm asks)."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(_Body):
@@ -178,7 +182,8 @@ def _param(loc: tuple) -> str | None:
         if isinstance(p, int):
             out += f"[{p}]"
         elif i == 0 or (
-            p.isidentifier() and p in {"role", "content", "include_usage", "type", "text", "name"}
+            p.isidentifier()
+            and p in {"role", "content", "include_usage", "continuous_usage_stats", "type", "text", "name"}
         ):
             out += ("." if out else "") + p
         else:

@@ -22,7 +22,7 @@ import torch
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from openai.types import Completion
+from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import step8_async_scheduling
@@ -810,6 +810,40 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(demo_snapshot
     (choices,) = llm.generate(text, SamplingParams(n=2, max_tokens=3, seed=0))
     hits = (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
     assert (first.num_cached_tokens, again.num_cached_tokens, choices.num_cached_tokens) == (0, hits, hits)
+
+
+def continuous_usages(client: TestClient, path: str, include_usage: bool) -> list:
+    """The usage of every chunk of a stream of n = 2 choices x 6 tokens asked with vLLM's
+    ``continuous_usage_stats`` (and OpenAI's ``include_usage`` or not), read with the openai SDK's types;
+    checks what every chunk's usage must say: the prompt's tokens, the completion tokens streamed so
+    far (never fewer than the chunk before), their sum; with include_usage, a last chunk without choices."""
+    prompt = {"prompt": "The Python interpreter"}
+    if path == "/v1/chat/completions":
+        prompt = {"messages": [{"role": "user", "content": "What is a list?"}]}
+    options = {"continuous_usage_stats": True, "include_usage": include_usage}
+    body = {**prompt, "max_tokens": 6, "n": 2, "seed": 1, "ignore_eos": True, "stream": True}
+    chunks = sse_chunks(client.post(path, json={**body, "stream_options": options}))
+    assert all(chunk.get("usage") for chunk in chunks), chunks
+    for chunk in chunks if path == "/v1/chat/completions" else []:  # (the SDK's Completion wants a
+        ChatCompletionChunk.model_validate(chunk)  # finish_reason in every chunk: its usage alone, below)
+    usages = [CompletionUsage.model_validate(chunk["usage"]) for chunk in chunks]
+    assert [chunk["choices"] == [] for chunk in chunks] == [False] * (len(chunks) - include_usage) + [
+        True
+    ] * include_usage
+    assert {u.prompt_tokens for u in usages} == {usages[-1].prompt_tokens} and usages[-1].prompt_tokens > 0
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 2 * 6
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    return usages
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(demo_snapshot):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it) is honoured, with OpenAI's
+    ``include_usage`` and without it, for completions and chat (``continuous_usages``)."""
+    with TestClient(build_app(LLMEngine(model=str(demo_snapshot), block_size=BLOCK))) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for include_usage in (False, True):
+                continuous_usages(client, path, include_usage)
 
 
 def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):
