@@ -682,6 +682,19 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(servers, pat
         continuous_usages(servers[0], path, include_usage)
 
 
+def test_an_empty_body_is_told_the_field_it_lacks(servers):
+    """An empty body gets OpenAI's 400 naming the field it lacks (FastAPI says only "Field required")."""
+    for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]:
+        r = httpx.post(servers[0] + path, content=b"", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {
+            "message": f"The request body is empty: send a JSON object with `{field}`.",
+            "type": "invalid_request_error",
+            "param": field,
+            "code": "missing_required_parameter",
+        }
+
+
 def wait_idle(url: str) -> dict:
     deadline = time.monotonic() + SAFETY_NET_S
     while True:

@@ -562,6 +562,8 @@ BAD = [
     ("echo+logprobs", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
     ("logit_bias", C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
     ("malformed JSON", C, b'{"prompt": "x",', 400, None, "json_invalid"),
+    ("empty body", C, b"", 400, "prompt", "missing_required_parameter"),
+    ("empty chat body", H, b"", 400, "messages", "missing_required_parameter"),
     ("body not object", C, b'["x"]', 400, None, "invalid_type"),
     ("unknown model", C, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("messages missing", H, {"max_tokens": 3}, 400, "messages", "missing_required_parameter"),

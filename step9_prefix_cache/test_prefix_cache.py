@@ -846,6 +846,23 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(demo_snapsho
                 continuous_usages(client, path, include_usage)
 
 
+def test_an_empty_body_is_told_the_field_it_lacks(demo_snapshot):
+    """An empty body gets OpenAI's 400 naming the field it lacks (FastAPI says only "Field required")."""
+    with TestClient(build_app(LLMEngine(model=str(demo_snapshot), block_size=BLOCK))) as client:
+        answers = {
+            path: client.post(path, content=b"") for path in ("/v1/completions", "/v1/chat/completions")
+        }
+    for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]:
+        r = answers[path]
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {
+            "message": f"The request body is empty: send a JSON object with `{field}`.",
+            "type": "invalid_request_error",
+            "param": field,
+            "code": "missing_required_parameter",
+        }
+
+
 def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):
     """``vllm:inter_token_latency_seconds`` holds, for each choice, the time between two of its own outputs
     (as step 8 does for its n engine requests, and vLLM for each child request): n = 4 choices of 10 tokens
