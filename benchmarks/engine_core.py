@@ -512,7 +512,7 @@ class SyntheticCore:
 
         self.m = m = importlib.import_module(f"{package}.messages")
         config = load_config(folder)
-        self.stats = m.EngineCoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
+        self.stats = m.SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
         self.config = m.EngineCoreReady(
             os.getpid(), str(folder), config, config.n_positions, max_num_seqs, 0, 16, {}, self.stats
         )

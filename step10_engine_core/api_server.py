@@ -17,6 +17,7 @@ import gc
 import hmac
 from pathlib import Path
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -236,25 +237,21 @@ def build_app(
 
     @app.api_route("/v1/engine/stats", methods=["GET", "HEAD"])
     async def engine_stats() -> dict:
-        """The engine's figures as JSON (what the web page polls): the last step's batch and KV cache."""
+        """The engine's figures as JSON (what the web page polls): every field of the core's last
+        ``SchedulerStats`` by its name, the rates made of them, and the page's names."""
         s = bridge.stats
         return {
             "model": served_model_name,
             "alive": bridge.alive,
             "features": bridge.features,
+            **msgspec.structs.asdict(s),  # a counter added to SchedulerStats shows here as it is
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
             "running": s.num_running_reqs,
-            "waiting": bridge.num_waiting(),
-            "kv_cache_usage": s.kv_cache_usage,
+            "waiting": bridge.num_waiting(),  # the core's waiting queue, and the requests on their way to it
             "kv_blocks_used": s.num_used_blocks,
             "kv_blocks_total": s.num_blocks,
-            "num_preemptions": s.num_preemptions,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries
-            if s.prefix_cache_queries
-            else 0.0,
-            "steps": s.steps,
-            "max_running": s.max_running,
+            "steps": bridge.steps,
+            "max_running": bridge.max_running,
             "max_model_len": server.max_model_len,
         }
 

@@ -34,7 +34,6 @@ from .messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
-    EngineCoreStats,
     input_decoder,
     output_encoder,
 )
@@ -87,7 +86,7 @@ class EngineCore:
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
             features=engine_features(self.engine),
-            stats=EngineCoreStats(**vars(self.engine.stats)),
+            stats=self.engine.stats,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -126,7 +125,7 @@ class EngineCore:
         }
         return EngineCoreOutputs(
             outputs,
-            EngineCoreStats(**vars(self.engine.stats)),
+            self.engine.stats,
             started,
             self.num_received,
             self.num_aborts_received,

@@ -57,8 +57,15 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
-class EngineCoreStats(msgspec.Struct, array_like=True):
-    """The scheduler after a step: ``SchedulerStats``' fields (scheduler.py), under its names."""
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
+    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass,
+    prompt tokens admitted since the start (queries), of them those found cached (hits), blocks cached.
+
+    One type from the scheduler to the page: ``Scheduler.make_stats`` makes it, the core sends it as it is
+    (in every ``EngineCoreOutputs``, and in ``EngineCoreReady`` before any request), and ``LLM.stats``,
+    the server's metrics and ``/v1/engine/stats`` (every field, by its name) read it: a counter added here
+    and set in ``make_stats`` reaches them all."""
 
     num_running_reqs: int
     num_waiting_reqs: int
@@ -87,7 +94,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):
     ``num_cached_tokens``, said once per request rather than in every output)."""
 
     outputs: list[EngineCoreOutput]
-    stats: EngineCoreStats
+    stats: SchedulerStats
     timestamp: float
     num_received: int
     num_aborts_received: int
@@ -108,7 +115,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):
     num_kv_blocks: int
     block_size: int
     features: dict[str, str | bool | int]
-    stats: EngineCoreStats
+    stats: SchedulerStats
 
 
 class EngineCoreDead(msgspec.Struct, array_like=True, tag="dead"):

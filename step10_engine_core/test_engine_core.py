@@ -45,6 +45,7 @@ from .messages import (
     EngineCoreAbort,
     EngineCoreOutput,
     EngineCoreRequest,
+    SchedulerStats,
     input_decoder,
     input_encoder,
     output_decoder,
@@ -489,7 +490,13 @@ def test_a_fresh_core_reports_its_pool_before_any_request(demo_snapshot):
     assert (stats["kv_blocks_used"], stats["kv_blocks_total"], stats["kv_cache_usage"]) == (0, 7, 0.0)
     assert (stats["running"], stats["waiting"], stats["steps"]) == (0, 0, 0)
     assert client.config.stats.num_blocks == 7  # what SyncMPClient hands LLM.stats, as the same message
-    assert LLM(model=str(demo_snapshot), num_kv_blocks=7).stats.num_blocks == 7
+    in_process = LLM(model=str(demo_snapshot), num_kv_blocks=7)
+    assert in_process.stats.num_blocks == 7
+    # one type from the scheduler to the page: every field of it in /v1/engine/stats, by its name
+    assert (
+        type(in_process.engine.stats) is type(in_process.stats) is type(client.config.stats) is SchedulerStats
+    )
+    assert msgspec.structs.asdict(client.config.stats).items() <= stats.items()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from common.tokenizer import Tokenizer
 
 from .core_client import AsyncMPClient, EngineDeadError
-from .messages import EngineCoreRequest, EngineCoreStats
+from .messages import EngineCoreRequest, SchedulerStats
 from .metrics import ServerMetrics
 from .output_processor import OutputProcessor, RequestOutputCollector
+from .outputs import RequestOutput
 from .processor import Processor
 from .sampling_params import SamplingParams
-from .sequence import RequestOutput
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DRAIN_TIMEOUT_S = 2.0  # at shutdown, how long the core may take to apply the last aborts
@@ -72,26 +72,6 @@ class EngineRequest:
     collector: RequestOutputCollector | None = None
 
 
-@dataclass
-class LoopStats:
-    """What the engine core reported after its last step (read by handlers: one reference)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_used_blocks: int = 0
-    num_blocks: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens admitted since start
-    prefix_cache_hits: int = 0  # of them, found in the prefix cache
-    spec_decode_num_drafts: int = 0  # speculative verifications since start
-    spec_decode_num_draft_tokens: int = 0  # tokens they proposed
-    spec_decode_num_accepted_tokens: int = 0  # of them, accepted
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    steps: int = 0
-    max_running: int = 0  # the largest running batch since start: concurrent requests did share steps
-
-
 class AsyncEngine:
     """Serves the engine core behind ``client`` to asyncio handlers (event loop only, after ``start``).
 
@@ -119,7 +99,9 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.error: BaseException | None = None
-        self.stats = LoopStats()
+        self.stats: SchedulerStats = client.config.stats  # the core's last word on them (one reference)
+        self.steps = 0  # messages of the core's steps, since the start
+        self.max_running = 0  # the largest running batch since start: concurrent requests did share steps
         self.features = client.config.features  # how the core runs, from its ready message
         self.on_dead: Callable[[], None] | None = None
         self._stopping = False
@@ -129,7 +111,7 @@ class AsyncEngine:
         self._streams: set[RequestStream] = set()  # streams with unfinished requests
         self._task: asyncio.Task | None = None
         self._stepped = asyncio.Event()  # set after every message of the core
-        self._publish(client.config.stats, stepped=False)  # the pool and the counts, before any request
+        self._publish(self.stats, stepped=False)  # the pool and the counts, before any request
 
     def start(self) -> None:
         """Start the output handler (in the running event loop)."""
@@ -283,25 +265,11 @@ class AsyncEngine:
         if m and tokens:
             m.generation_tokens.inc(tokens)  # once per call
 
-    def _publish(self, s: EngineCoreStats, stepped: bool = True) -> None:
-        prev = self.stats
-        stats = LoopStats(
-            s.num_running_reqs,
-            s.num_waiting_reqs,
-            s.kv_cache_usage,
-            s.num_used_blocks,
-            s.num_blocks,
-            s.num_preemptions,
-            s.prefix_cache_queries,
-            s.prefix_cache_hits,
-            s.spec_decode_num_drafts,
-            s.spec_decode_num_draft_tokens,
-            s.spec_decode_num_accepted_tokens,
-            s.spec_decode_num_accepted_tokens_per_pos,
-            prev.steps + stepped,
-            max(prev.max_running, s.num_running_reqs),
-        )
-        self.stats = stats
+    def _publish(self, s: SchedulerStats, stepped: bool = True) -> None:
+        """Take the scheduler's stats of a step (``stepped``) or of the start, and move the metrics."""
+        prev, self.stats = self.stats, s
+        self.steps += stepped
+        self.max_running = max(self.max_running, s.num_running_reqs)
         if self.metrics:
             self.metrics.running.set(s.num_running_reqs)
             self.metrics.waiting.set(self.num_waiting())

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .messages import EngineCoreOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import Logprob, RequestOutputKind, SamplingParams
-from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class ChoiceState:

@@ -21,11 +21,11 @@ from common.tokenizer import Tokenizer
 
 from .config import EngineArgs
 from .core_client import InprocClient, SyncMPClient
-from .messages import EngineCoreRequest, EngineCoreStats
+from .messages import EngineCoreRequest, SchedulerStats
 from .output_processor import OutputProcessor
+from .outputs import RequestOutput
 from .processor import Processor
 from .sampling_params import RequestOutputKind, SamplingParams, type_name
-from .sequence import RequestOutput
 
 
 class LLM:
@@ -52,7 +52,7 @@ class LLM:
         self.config = args.hf_config
         self.processor = Processor.for_core(self.tokenizer, self.engine_core.config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._stats: EngineCoreStats = self.engine_core.config.stats  # the pool, before any request
+        self._stats: SchedulerStats = self.engine_core.config.stats  # the pool, before any request
         self._num_aborts_sent = 0  # aborts sent to the core; of them, those it had taken at _stats:
         self._num_aborts_applied = 0
         self._request_ids = itertools.count()
@@ -63,7 +63,7 @@ class LLM:
         return self.tokenizer
 
     @property
-    def stats(self) -> EngineCoreStats:
+    def stats(self) -> SchedulerStats:
         """The scheduler's figures after the last step read (before any: the pool), once the core has
         applied every abort sent (a stop string's, a stream closed early): reading waits for that, one step
         in process, the core's next messages in a child, so that no request ended here shows as running.

@@ -31,10 +31,10 @@ from .async_engine import (
     ServerShuttingDown,
 )
 from .metrics import ServerMetrics
+from .outputs import CompletionOutput
 from .processor import check_token_ids
 from .protocol import APIError, SamplingFields, bad_request
 from .sampling_params import RequestOutputKind, SamplingParams
-from .sequence import CompletionOutput
 
 
 class ClientDisconnected(Exception):
