@@ -624,14 +624,14 @@ def _server_alone(package: str, folder: Path, ids: list[int], requests: int, max
 
     async def main() -> tuple[int, float]:
         metrics = mod["metrics"].ServerMetrics("demo")
-        bridge = mod["async_engine"].AsyncEngine(core, metrics, max_waiting_requests=10**6)
-        bridge.start()
-        serving = serving_engine.OpenAIServing("demo", bridge, metrics, None)
+        engine = mod["async_engine"].AsyncEngine(core, metrics, max_waiting_requests=10**6)
+        engine.start()
+        serving = serving_engine.OpenAIServing("demo", engine, metrics, None)
         events = await asyncio.gather(*(client(serving) for _ in range(requests)))
         ended = time.thread_time()
         if profiler is not None:
             profiler.disable()
-        await bridge.shutdown()
+        await engine.shutdown()
         return sum(events), ended
 
     events, ended = asyncio.run(main())

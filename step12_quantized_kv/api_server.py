@@ -143,7 +143,7 @@ def build_app(
     max_body_bytes: request bodies over this get 413. model_root: shown as ``root`` in ``/v1/models``.
     stream_interval: a stream's event every N tokens (the first at once; vLLM's name; >= 1).
     The output handler starts with the app (lifespan startup); the core stops with it;
-    ``app.state.server`` holds the handlers' state (``.bridge`` is the ``AsyncEngine``, ``.metrics`` the
+    ``app.state.server`` holds the handlers' state (``.engine`` is the ``AsyncEngine``, ``.metrics`` the
     ``ServerMetrics``).
     Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model},
     GET /v1/engine/stats, GET /health, GET /metrics, GET / (the web page); every GET answers HEAD.
@@ -153,18 +153,18 @@ def build_app(
     if max_body_bytes < len(SMALLEST_BODY):
         raise ValueError(f"max_body_bytes={max_body_bytes}: must be >= {len(SMALLEST_BODY)} (admits nothing)")
     metrics = ServerMetrics(served_model_name)
-    bridge = AsyncEngine(engine_core, metrics, max_waiting_requests, stream_interval)
-    server = OpenAIServing(served_model_name, bridge, metrics, model_root)
+    engine = AsyncEngine(engine_core, metrics, max_waiting_requests, stream_interval)
+    server = OpenAIServing(served_model_name, engine, metrics, model_root)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gc.collect()
         gc.freeze()  # what start-up made lives on: no collection scans it again (vLLM #12287)
-        bridge.start()
+        engine.start()
         try:
             yield
         finally:
-            await bridge.shutdown()
+            await engine.shutdown()
             gc.unfreeze()  # so that exit frees it (else triton's bindings report each object as leaked)
 
     app = FastAPI(
@@ -239,27 +239,27 @@ def build_app(
     async def engine_stats() -> dict:
         """The engine's figures as JSON (what the web page polls): every field of the core's last
         ``SchedulerStats`` by its name, the rates made of them, and the page's names."""
-        s = bridge.stats
+        s = engine.stats
         return {
             "model": served_model_name,
-            "alive": bridge.alive,
-            "features": bridge.features,
+            "alive": engine.alive,
+            "features": engine.features,
             **msgspec.structs.asdict(s),  # a counter added to SchedulerStats shows here as it is
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
             "spec_decode_acceptance_rate": s.spec_decode_acceptance_rate,
             "spec_decode_mean_acceptance_length": s.spec_decode_mean_acceptance_length,
             "running": s.num_running_reqs,
-            "waiting": bridge.num_waiting(),  # the core's waiting queue, and the requests on their way to it
+            "waiting": engine.num_waiting(),  # the core's waiting queue, and the requests on their way to it
             "kv_blocks_used": s.num_used_blocks,
             "kv_blocks_total": s.num_blocks,
-            "steps": bridge.steps,
-            "max_running": bridge.max_running,
+            "steps": engine.steps,
+            "max_running": engine.max_running,
             "max_model_len": server.max_model_len,
         }
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        return Response(status_code=200 if bridge.alive else 503)
+        return Response(status_code=200 if engine.alive else 503)
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:

@@ -299,8 +299,8 @@ class RequestStream:
     away) aborts the requests that have not finished, so their KV blocks are freed before the next step.
     """
 
-    def __init__(self, bridge: AsyncEngine, collector: RequestOutputCollector, indices: dict[str, int]):
-        self.bridge, self.collector, self.indices = bridge, collector, indices
+    def __init__(self, engine: AsyncEngine, collector: RequestOutputCollector, indices: dict[str, int]):
+        self.engine, self.collector, self.indices = engine, collector, indices
         self.unfinished = set(indices)
         self.ready: deque[RequestOutput] = deque()  # taken from the collector, not yet yielded
 
@@ -320,13 +320,13 @@ class RequestStream:
         if out.finished:
             self.unfinished.discard(out.request_id)
             if not self.unfinished:
-                self.bridge._streams.discard(self)
+                self.engine._streams.discard(self)
         return self.indices[out.request_id], out
 
     def close(self) -> None:
-        self.bridge._streams.discard(self)
+        self.engine._streams.discard(self)
         if self.unfinished:
-            self.bridge.abort(sorted(self.unfinished))
+            self.engine.abort(sorted(self.unfinished))
             self.unfinished.clear()
 
     async def aclose(self) -> None:
