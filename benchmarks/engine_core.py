@@ -512,13 +512,13 @@ class SyntheticCore:
 
         self.m = m = importlib.import_module(f"{package}.messages")
         config = load_config(folder)
+        self.stats = m.SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
         self.config = m.EngineCoreReady(
-            os.getpid(), str(folder), config, config.n_positions, max_num_seqs, 0, 16, {}
+            os.getpid(), str(folder), config, config.n_positions, max_num_seqs, 0, 16, {}, self.stats
         )
         self.token_ids, self.start_after, self.alive = token_ids, start_after, True
         self.running: dict[str, list[int]] = {}  # request id -> [max_tokens, tokens so far]
         self.num_received, self.steps, self.core_s, self.first_step = 0, 0, 0.0, None
-        self.stats = m.EngineCoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
         self.encoder, self.decoder = m.output_encoder(), m.output_decoder()
         self.arrived: asyncio.Event | None = None
         self.profiler: cProfile.Profile | None = None  # switched on at the first step
@@ -546,7 +546,7 @@ class SyntheticCore:
             if finish:
                 del self.running[request_id]
         self.steps += 1
-        out = self.m.EngineCoreOutputs(outputs, self.stats, time.perf_counter(), self.num_received)
+        out = self.m.EngineCoreOutputs(outputs, self.stats, time.perf_counter(), self.num_received, 0, {})
         self.core_s += time.thread_time() - started
         return out
 
@@ -624,14 +624,14 @@ def _server_alone(package: str, folder: Path, ids: list[int], requests: int, max
 
     async def main() -> tuple[int, float]:
         metrics = mod["metrics"].ServerMetrics("demo")
-        bridge = mod["async_engine"].AsyncEngine(core, metrics, max_waiting_requests=10**6)
-        bridge.start()
-        serving = serving_engine.OpenAIServing("demo", bridge, metrics, None)
+        engine = mod["async_engine"].AsyncEngine(core, metrics, max_waiting_requests=10**6)
+        engine.start()
+        serving = serving_engine.OpenAIServing("demo", engine, metrics, None)
         events = await asyncio.gather(*(client(serving) for _ in range(requests)))
         ended = time.thread_time()
         if profiler is not None:
             profiler.disable()
-        await bridge.shutdown()
+        await engine.shutdown()
         return sum(events), ended
 
     events, ended = asyncio.run(main())

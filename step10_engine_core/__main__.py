@@ -149,13 +149,13 @@ class Server(uvicorn.Server):
     at once (``engine_died``).
     """
 
-    def __init__(self, config: uvicorn.Config, bridge: AsyncEngine, grace: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float):
         super().__init__(config)
-        self.bridge, self.grace = bridge, grace
+        self.engine, self.grace = engine, grace
         self.signals: list[int] = []
         self.ended = 0  # open requests ended by the shutdown
         self.engine_died = False
-        bridge.on_dead = self.on_engine_dead
+        engine.on_dead = self.on_engine_dead
 
     def on_engine_dead(self) -> None:
         self.engine_died = True
@@ -188,7 +188,7 @@ class Server(uvicorn.Server):
         deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline and len(self.signals) < 2:
             await asyncio.sleep(0.05)
-        self.ended = self.bridge.end_streams(ServerShuttingDown("the server is shutting down"))
+        self.ended = self.engine.end_streams(ServerShuttingDown("the server is shutting down"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,30 +223,30 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{shown}:{port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"serving {name} on {url}  (web page: {url}/ , metrics: {url}/metrics)", flush=True)
-    print(f"engine: {describe_features(app.state.server.bridge.features)}", flush=True)
+    print(f"engine: {describe_features(app.state.server.engine.features)}", flush=True)
     print(f"engine core: pid {engine_core.config.pid}, sockets in {engine_core.socket_dir}", flush=True)
     print(
         f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} "
         f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',
         flush=True,
     )
-    bridge = app.state.server.bridge
+    engine = app.state.server.engine
     grace = args.timeout_graceful_shutdown
     # uvicorn's own timeout is only a safety net: the streams are ended after the grace period
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 5)
-    server = Server(config, bridge, grace)
+    server = Server(config, engine, grace)
     try:
         server.run(sockets=[sock])
     finally:
         engine_core.shutdown()  # the app stopped it already, unless uvicorn never started
     if server.engine_died:
-        print(f"error: {bridge.error}; the server stops (exit status 1)", file=sys.stderr, flush=True)
+        print(f"error: {engine.error}; the server stops (exit status 1)", file=sys.stderr, flush=True)
         return 1
     if server.signals:
         print(
             f"shut down on {signal.Signals(server.signals[0]).name}: {server.ended} open "
             f"request{'' if server.ended == 1 else 's'} ended with an error, "
-            f"{bridge.stats.num_used_blocks} KV blocks in use",
+            f"{engine.stats.num_used_blocks} KV blocks in use",
             file=sys.stderr,
             flush=True,
         )

@@ -13,7 +13,7 @@ import operator
 from common.tokenizer import Tokenizer
 
 from .messages import EngineCoreReady
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, type_name
 
 
 def as_token_ids(ids) -> list[int]:
@@ -71,7 +71,7 @@ class Processor:
         params = sampling_params if sampling_params is not None else SamplingParams()
         vocab = self.vocab_size
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type_name(params)}")
         field = "prompt" if text is not None else "prompt_token_ids"
         if len(ids) == 0:
             raise ValueError(f"{field} is empty; give at least one token")

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .messages import SchedulerStats
 from .sequence import Sequence
 
 
@@ -40,29 +41,6 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(len(seq) - seq.num_computed_tokens for seq in self.prefills) + len(self.decodes)
-
-
-@dataclass
-class SchedulerStats:
-    """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
-    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass,
-    prompt tokens admitted since the start (queries), of them those found cached (hits), blocks cached."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_used_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    num_batched_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_cached_blocks: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Hits / queries since the start (0 before any query)."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Scheduler:

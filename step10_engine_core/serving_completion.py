@@ -52,13 +52,24 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
     head = serving.response_head(rid, "text_completion")
     stream = serving.submit(engine_requests)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
         return await serving.event_stream(
             stream,
-            completion_chunks(serving, stream, head, echo, req.logprobs, prompt_tokens, include_usage),
+            completion_chunks(
+                serving,
+                stream,
+                head,
+                echo,
+                req.logprobs,
+                prompt_tokens,
+                include_usage,
+                continuous_usage,
+            ),
         )
     choices = {k: Choice(k, prompt_lens[k // req.n]) for k in indices}
-    await serving.collect(stream, choices, request)
+    cached_tokens = await serving.collect(stream, choices, request)
     body_choices = []
     for c in sorted(choices.values(), key=lambda c: c.index):
         lp = None
@@ -78,7 +89,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
         {
             **head,
             "choices": body_choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
             "system_fingerprint": None,
         }
     )
@@ -92,12 +103,15 @@ async def completion_chunks(
     logprobs: int | None,
     prompt_tokens: int,
     include_usage: bool,
+    continuous_usage: bool,
 ) -> AsyncIterator[bytes]:
     started: set[int] = set()
     offsets = {i: len(text) for i, text in echo.items()}  # text_offset of each choice's next token
     completion_tokens = 0
+    cached: dict[int, int] = {}  # prompt tokens found in the prefix cache, by request (its first choice)
     extra = {"usage": None} if include_usage else {}
     async for first, out in stream:
+        cached[first] = out.num_cached_tokens
         for c in out.outputs:
             index = first + c.index
             completion_tokens += len(c.token_ids)
@@ -118,6 +132,10 @@ async def completion_chunks(
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
+            if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, in every chunk
+                extra = {"usage": usage(prompt_tokens, completion_tokens)}
             yield sse({**head, "choices": [choice], **extra})
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse(
+            {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, sum(cached.values()))}
+        )

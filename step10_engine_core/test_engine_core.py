@@ -3,10 +3,11 @@
 The oracle is step 9's engine, in process. Through ``LLM`` (the core in this process and in a child) and the
 server (the core in a child): greedy and seeded outputs, stop strings and tokens, n choices, logprobs,
 aborts, preemption, prefix-cache hits, streamed and not. The frontend's parts alone: stop strings across
-tokens, ``stream_interval``, the collector. Faults, as processes: the core killed (streams end with an error
-event and ``[DONE]``, 503s, exit 1), a step that raises, the server killed (the core exits, no socket left),
-SIGTERM and SIGINT, an engine that cannot start, a client that disconnects (nothing running, no KV block in
-use). Waits poll for the event with a generous bound (``SAFETY_NET_S``), never a fixed sleep.
+tokens, ``stream_interval``, the collector. Faults, as processes: the core killed or stopped by a signal
+(streams end with an error event and ``[DONE]``, 503s, never a 500, exit 1), a step that raises, the server
+killed (the core exits, no socket left), SIGTERM and SIGINT to the server, an engine that cannot start, a
+client that disconnects (nothing running, no KV block in use). Waits poll for the event with a generous
+bound (``SAFETY_NET_S``), never a fixed sleep.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+import torch
 import uvicorn
+from openai.types import Completion, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import step9_prefix_cache
 
@@ -41,6 +45,7 @@ from .messages import (
     EngineCoreAbort,
     EngineCoreOutput,
     EngineCoreRequest,
+    SchedulerStats,
     input_decoder,
     input_encoder,
     output_decoder,
@@ -139,10 +144,20 @@ def test_llm_streams_equal_step9(llm, oracle):
             for o in oracle.stream_outputs(prompt, step9_prefix_cache.SamplingParams(**fields))
         ]
         assert ours == theirs
+
+
+def test_stats_show_what_a_stop_string_or_a_closed_stream_ended(llm):
+    """A stop string ends a choice in the frontend and a closed stream its request, each after the step
+    whose stats ``LLM`` holds; both are aborted in the core, and ``LLM.stats`` waits for the aborts to be
+    applied (in process: one step; in a child: its next messages): nothing running, no block in use."""
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, stop=[" raised"])
+    (out,) = llm.generate(PROMPTS[2], params)
+    assert out.outputs[0].stop_reason == " raised" and len(out.outputs[0].token_ids) < 400
+    assert (llm.stats.num_running_reqs, llm.stats.num_waiting_reqs, llm.stats.num_used_blocks) == (0, 0, 0)
     pieces = llm.stream(PROMPTS[0], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     assert [next(pieces) for _ in range(3)]
+    assert llm.stats.num_running_reqs == 1
     pieces.close()  # aborted in the core
-    llm.generate("x", SamplingParams(max_tokens=2, temperature=0))  # a step after the abort reports
     assert (llm.stats.num_running_reqs, llm.stats.num_waiting_reqs, llm.stats.num_used_blocks) == (0, 0, 0)
 
 
@@ -392,6 +407,37 @@ def test_a_step_that_raises_is_reported_and_the_core_exits_1(demo_snapshot, capf
     assert "ZeroDivisionError" in capfd.readouterr().err  # the core's traceback, on the shared stderr
 
 
+class StoppingCoreClient(SyncMPClient):
+    """A core that a signal stops at its first request (raised where the signal's handler raises it) and
+    that then lingers with its sockets closed, as an exiting interpreter can for a second (patched in the
+    child: its ``Context.term`` sleeps, SIGTERM's default action restored, so that shutdown ends it)."""
+
+    entry = (
+        "import signal, sys, time, zmq; from {package} import engine_core as ec; "
+        "zmq.Context.term = lambda self: (signal.signal(signal.SIGTERM, signal.SIG_DFL), time.sleep(600)); "
+        "ec.EngineCore.add_request = lambda self, r: (_ for _ in ()).throw(ec.ShutdownRequested('SIGTERM')); "
+        "sys.exit(ec.main())"
+    )
+
+
+def test_a_send_the_stopping_core_cannot_take_is_its_death(demo_snapshot):
+    """Between a stopping core's closing its sockets and its exit, a send finds no reader (``zmq.Again``):
+    the client is dead from then on (EngineDeadError, ``alive`` False), as the server's 503 needs; and the
+    core's last word, read from the output socket, says that SIGTERM stopped it."""
+    client = StoppingCoreClient(EngineArgs(model=str(demo_snapshot)))
+    try:
+        client.add_request(EngineCoreRequest("r0", [1, 2], SamplingParams(max_tokens=2)))  # stops the core
+        with pytest.raises(EngineDeadError, match=f"pid {client.proc.pid}"):
+            for i in range(1, 10**7):  # until its input socket has closed (a safety net, not a measure)
+                client.add_request(EngineCoreRequest(f"r{i}", [1, 2], SamplingParams(max_tokens=2)))
+        assert not client.alive and client.proc.poll() is None  # dead to the frontend, not yet exited
+        last = output_decoder().decode(client.output.recv())
+        assert last.error_type == "ShutdownRequested" and "stopped by SIGTERM" in last.message
+    finally:
+        client.shutdown()
+    assert not os.path.exists(client.socket_dir)
+
+
 def test_an_engine_that_cannot_start_raises_its_error(demo_snapshot):
     """A pool too large for the machine: the core's own error, raised by the constructor, as in process;
     the child has exited and its sockets are gone. An unknown argument, a bad dtype: refused here, before
@@ -431,6 +477,23 @@ def test_sigterm_stops_the_core_cleanly_and_the_frontend_says_so(demo_snapshot, 
     assert not os.path.exists(llm.engine_core.socket_dir)
 
 
+def test_the_core_takes_one_torch_thread_unless_omp_num_threads_says(demo_snapshot, monkeypatch, capfd):
+    """As vLLM's workers: with OMP_NUM_THREADS unset the core process runs torch on one thread (a thread per
+    core would wait on the frontend's and a client's work), says so once started, and shows it among its
+    features (the start-up line, /v1/engine/stats); a value set is the user's choice, kept."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    client = SyncMPClient(EngineArgs(model=str(demo_snapshot)))
+    client.shutdown()
+    assert client.config.features["torch_threads"] == 1
+    threads = torch.get_num_threads()
+    assert (f"torch threads {threads} -> 1" in capfd.readouterr().err) == (threads > 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    client = SyncMPClient(EngineArgs(model=str(demo_snapshot)))
+    client.shutdown()
+    assert client.config.features["torch_threads"] == 2
+    assert "torch threads" not in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The server: step 9's answers; a killed core; a client that leaves
 
@@ -446,6 +509,24 @@ def test_the_server_unfreezes_at_shutdown_what_it_froze_at_start_up(demo_snapsho
 
     assert asyncio.run(serve_and_stop()) > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_a_fresh_core_reports_its_pool_before_any_request(demo_snapshot):
+    """The core's ready message carries the scheduler's stats: /v1/engine/stats (the page's figures) holds
+    the pool from the start, not 0 of 0 blocks, and so does ``LLM.stats`` in process and in a child."""
+    client = AsyncMPClient(EngineArgs(model=str(demo_snapshot), num_kv_blocks=7))
+    with serve(build_app(client)) as url:
+        stats = httpx.get(f"{url}/v1/engine/stats").json()
+    assert (stats["kv_blocks_used"], stats["kv_blocks_total"], stats["kv_cache_usage"]) == (0, 7, 0.0)
+    assert (stats["running"], stats["waiting"], stats["steps"]) == (0, 0, 0)
+    assert client.config.stats.num_blocks == 7  # what SyncMPClient hands LLM.stats, as the same message
+    in_process = LLM(model=str(demo_snapshot), num_kv_blocks=7)
+    assert in_process.stats.num_blocks == 7
+    # one type from the scheduler to the page: every field of it in /v1/engine/stats, by its name
+    assert (
+        type(in_process.engine.stats) is type(in_process.stats) is type(client.config.stats) is SchedulerStats
+    )
+    assert msgspec.structs.asdict(client.config.stats).items() <= stats.items()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -521,8 +602,22 @@ def bodies() -> list[tuple[str, dict]]:
     ]
 
 
+def approx_floats(value, tolerance: float = 1e-4):
+    """``value`` with every float (the logprobs) compared within ``tolerance``."""
+    if isinstance(value, float):
+        return pytest.approx(value, abs=tolerance)
+    if isinstance(value, dict):
+        return {k: approx_floats(v, tolerance) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(approx_floats(v, tolerance) for v in value)
+    return value
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_server_answers_equal_step9(servers, stream):
+    """Every answer equals step 9's server's, logprobs within 1e-4 nats: the core runs torch on one thread
+    (its default, as vLLM's workers) and may batch its first steps otherwise, so its logits differ in their
+    last bits, as any other reduction order does on a CPU."""
     url, oracle_url, _ = servers
     for path, body in bodies():
         body = {**body, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
@@ -538,7 +633,103 @@ def test_server_answers_equal_step9(servers, stream):
             for answer in (ours, theirs):
                 assert "error" not in answer, answer
                 del answer["id"], answer["created"]
-        assert ours == theirs, (path, body)
+        assert ours == approx_floats(theirs), (path, body)
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(servers):
+    """The core says each request's prefix-cache hits (by request, from the step that prefilled it), so
+    ``usage.prompt_tokens_details.cached_tokens`` is step 9's: 0 for a prompt seen the first time, its full
+    blocks but the last token's the second time; completions and chat, whole and streamed (the usage
+    chunk), read with the openai SDK's types."""
+    url = servers[0]
+    kinds = {
+        "/v1/completions": (Completion, Completion),
+        "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
+    }
+    for i, (path, stream) in enumerate([(p, s) for p in kinds for s in (False, True)]):
+        text = f"Request {i} asks the server about modules, packages and the import system"
+        body = (
+            {"prompt": text}
+            if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": text}]}
+        )
+        body |= {"max_tokens": 3, "temperature": 0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        whole, chunk = kinds[path]
+        cached = []
+        for _ in range(2):
+            if stream:
+                with httpx.stream("POST", url + path, json=body, timeout=SAFETY_NET_S) as r:
+                    answer = chunk.model_validate_json(events(r)[-2])
+            else:
+                answer = whole.model_validate_json(
+                    httpx.post(url + path, json=body, timeout=SAFETY_NET_S).text
+                )
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, (answer.usage.prompt_tokens - 1) // BLOCK * BLOCK], (path, stream)
+
+
+def test_outputs_say_the_prompt_tokens_found_in_the_prefix_cache(llm):
+    """``RequestOutput.num_cached_tokens`` (vLLM's name): 0, then the prompt's full blocks but the last
+    token's, for one choice and for n, with the core in process and in a child."""
+    text = (
+        f"The standard library's modules, imported by {'a child' if llm.engine is None else 'this'} process"
+    )
+    params = SamplingParams(max_tokens=3, temperature=0)
+    first, again = (llm.generate(text, params)[0] for _ in range(2))
+    (choices,) = llm.generate(text, SamplingParams(n=2, max_tokens=3, seed=0))
+    hits = (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
+    assert (first.num_cached_tokens, again.num_cached_tokens, choices.num_cached_tokens) == (0, hits, hits)
+
+
+def continuous_usages(base_url: str, path: str, include_usage: bool) -> list:
+    """The usage of every chunk of a stream of n = 2 choices x 6 tokens asked with vLLM's
+    ``continuous_usage_stats`` (and OpenAI's ``include_usage`` or not), read with the openai SDK's types;
+    checks what every chunk's usage must say: the prompt's tokens, the completion tokens streamed so
+    far (never fewer than the chunk before), their sum; with include_usage, a last chunk without choices."""
+    prompt = {"prompt": "The Python interpreter"}
+    if path == "/v1/chat/completions":
+        prompt = {"messages": [{"role": "user", "content": "What is a list?"}]}
+    options = {"continuous_usage_stats": True, "include_usage": include_usage}
+    body = {**prompt, "max_tokens": 6, "n": 2, "seed": 1, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", base_url + path, json={**body, "stream_options": options}, timeout=SAFETY_NET_S
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(chunk.get("usage") for chunk in chunks), chunks
+    for chunk in chunks if path == "/v1/chat/completions" else []:  # (the SDK's Completion wants a
+        ChatCompletionChunk.model_validate(chunk)  # finish_reason in every chunk: its usage alone, below)
+    usages = [CompletionUsage.model_validate(chunk["usage"]) for chunk in chunks]
+    assert [chunk["choices"] == [] for chunk in chunks] == [False] * (len(chunks) - include_usage) + [
+        True
+    ] * include_usage
+    assert {u.prompt_tokens for u in usages} == {usages[-1].prompt_tokens} and usages[-1].prompt_tokens > 0
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 2 * 6
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    return usages
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(servers, path):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it) is honoured, with OpenAI's
+    ``include_usage`` and without it (``continuous_usages``)."""
+    for include_usage in (False, True):
+        continuous_usages(servers[0], path, include_usage)
+
+
+def test_an_empty_body_is_told_the_field_it_lacks(servers):
+    """An empty body gets OpenAI's 400 naming the field it lacks (FastAPI says only "Field required")."""
+    for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]:
+        r = httpx.post(servers[0] + path, content=b"", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {
+            "message": f"The request body is empty: send a JSON object with `{field}`.",
+            "type": "invalid_request_error",
+            "param": field,
+            "code": "missing_required_parameter",
+        }
 
 
 def wait_idle(url: str) -> dict:
@@ -561,7 +752,8 @@ def test_a_client_that_disconnects_is_aborted_in_the_core(servers):
     """A client that leaves mid-stream frees its blocks in the core before its 400 tokens: nothing runs
     and no KV block is in use afterwards; a whole answer whose client gives up is aborted too."""
     url = servers[0]
-    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    prompt = "A client that leaves"  # a prompt of its own: the others' prefix-cache hits stay step 9's
+    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     aborts = counter(url, "vllm:request_success_total", finished_reason="abort")
     tokens = counter(url, "vllm:generation_tokens_total")
 
@@ -585,9 +777,12 @@ def test_a_client_that_disconnects_is_aborted_in_the_core(servers):
     assert (s["running"], s["kv_blocks_used"]) == (0, 0)
 
 
-def test_a_killed_core_ends_every_stream_and_health_says_503(demo_snapshot):
-    """kill -9 of the engine core with two streams open: each ends with an OpenAI-style error event, then
-    [DONE]; /health answers 503, and so does a new request."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_core_killed_or_stopped_ends_every_stream_and_health_says_503(demo_snapshot, sig):
+    """kill -9, SIGTERM or SIGINT to the engine core with two streams open: each ends with an OpenAI-style
+    error event naming the signal (the monitor's words, or the core's last word), then [DONE]; from the
+    signal on, a new request gets 200 (the core had not stopped yet) or 503 in OpenAI's shape, never a 500
+    (a send the stopping core can no longer take is its death too); then /health answers 503."""
     client = AsyncMPClient(EngineArgs(model=str(demo_snapshot)))
     body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with serve(build_app(client)) as url, httpx.Client(base_url=url, timeout=SAFETY_NET_S) as http:
@@ -598,16 +793,24 @@ def test_a_killed_core_ends_every_stream_and_health_says_503(demo_snapshot):
         ):
             lines_a = (line for line in a.iter_lines() if line.startswith("data: "))
             first = next(lines_a)
-            os.kill(client.config.pid, signal.SIGKILL)
+            os.kill(client.config.pid, sig)
+            answers = []  # new requests while the core stops, until the server says it has
+            while not answers or answers[-1].status_code != 503:
+                answers.append(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}))
+                assert len(answers) < 10_000, "the server never noticed"
             streams = [[first, *lines_a], [line for line in b.iter_lines() if line.startswith("data: ")]]
         for lines in streams:
             assert lines[-1] == "data: [DONE]"
             error = json.loads(lines[-2][6:])["error"]
             assert error["type"] == "server_error" and error["code"] == "engine_dead"
-            assert "SIGKILL" in error["message"]
+            assert sig.name in error["message"]
+        failed = [r.text for r in answers if r.status_code not in (200, 503)]
+        assert failed == []
+        assert answers[-1].json()["error"]["code"] == "engine_dead"
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={**body, "stream": False})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert sig.name in r.json()["error"]["message"]
     assert not os.path.exists(client.socket_dir)
 
 
@@ -672,7 +875,8 @@ class Cli:
 
 
 @pytest.mark.slow
-def test_cli_exits_1_when_its_core_is_killed(demo_snapshot):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_cli_exits_1_when_its_core_is_killed_or_stopped(demo_snapshot, sig):
     cli = Cli("--model", str(demo_snapshot)).start()
     body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
     try:
@@ -680,14 +884,14 @@ def test_cli_exits_1_when_its_core_is_killed(demo_snapshot):
             with http.stream("POST", "/v1/completions", json=body) as r:
                 lines = (line for line in r.iter_lines() if line.startswith("data: "))
                 first = next(lines)
-                os.kill(cli.core_pid, signal.SIGKILL)
+                os.kill(cli.core_pid, sig)
                 lines = [first, *lines]
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "engine_dead"
         _, err = cli.proc.communicate(timeout=SAFETY_NET_S)
     finally:
         cli.stop()
     assert cli.proc.returncode == 1, err
-    assert "SIGKILL" in err and "Traceback" not in err
+    assert sig.name in err and "Traceback" not in err
     assert not os.path.exists(cli.socket_dir)
 
 

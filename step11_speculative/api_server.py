@@ -17,6 +17,7 @@ import gc
 import hmac
 from pathlib import Path
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -142,7 +143,7 @@ def build_app(
     max_body_bytes: request bodies over this get 413. model_root: shown as ``root`` in ``/v1/models``.
     stream_interval: a stream's event every N tokens (the first at once; vLLM's name; >= 1).
     The output handler starts with the app (lifespan startup); the core stops with it;
-    ``app.state.server`` holds the handlers' state (``.bridge`` is the ``AsyncEngine``, ``.metrics`` the
+    ``app.state.server`` holds the handlers' state (``.engine`` is the ``AsyncEngine``, ``.metrics`` the
     ``ServerMetrics``).
     Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model},
     GET /v1/engine/stats, GET /health, GET /metrics, GET / (the web page); every GET answers HEAD.
@@ -152,18 +153,18 @@ def build_app(
     if max_body_bytes < len(SMALLEST_BODY):
         raise ValueError(f"max_body_bytes={max_body_bytes}: must be >= {len(SMALLEST_BODY)} (admits nothing)")
     metrics = ServerMetrics(served_model_name)
-    bridge = AsyncEngine(engine_core, metrics, max_waiting_requests, stream_interval)
-    server = OpenAIServing(served_model_name, bridge, metrics, model_root)
+    engine = AsyncEngine(engine_core, metrics, max_waiting_requests, stream_interval)
+    server = OpenAIServing(served_model_name, engine, metrics, model_root)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gc.collect()
         gc.freeze()  # what start-up made lives on: no collection scans it again (vLLM #12287)
-        bridge.start()
+        engine.start()
         try:
             yield
         finally:
-            await bridge.shutdown()
+            await engine.shutdown()
             gc.unfreeze()  # so that exit frees it (else triton's bindings report each object as leaked)
 
     app = FastAPI(
@@ -188,7 +189,9 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc, getattr(request.state, "sent_content_type", None)).response()
+        route = request.scope.get("route")  # its body model: the fields an empty body lacks
+        body = route.body_field.field_info.annotation if getattr(route, "body_field", None) else None
+        return validation_error(exc, getattr(request.state, "sent_content_type", None), body).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -234,41 +237,29 @@ def build_app(
 
     @app.api_route("/v1/engine/stats", methods=["GET", "HEAD"])
     async def engine_stats() -> dict:
-        """The engine's figures as JSON (what the web page polls): the last step's batch and KV cache."""
-        s = bridge.stats
+        """The engine's figures as JSON (what the web page polls): every field of the core's last
+        ``SchedulerStats`` by its name, the rates made of them, and the page's names."""
+        s = engine.stats
         return {
             "model": served_model_name,
-            "alive": bridge.alive,
-            "features": bridge.features,
+            "alive": engine.alive,
+            "features": engine.features,
+            **msgspec.structs.asdict(s),  # a counter added to SchedulerStats shows here as it is
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "spec_decode_acceptance_rate": s.spec_decode_acceptance_rate,
+            "spec_decode_mean_acceptance_length": s.spec_decode_mean_acceptance_length,
             "running": s.num_running_reqs,
-            "waiting": bridge.num_waiting(),
-            "kv_cache_usage": s.kv_cache_usage,
+            "waiting": engine.num_waiting(),  # the core's waiting queue, and the requests on their way to it
             "kv_blocks_used": s.num_used_blocks,
             "kv_blocks_total": s.num_blocks,
-            "num_preemptions": s.num_preemptions,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries
-            if s.prefix_cache_queries
-            else 0.0,
-            "spec_decode_num_drafts": s.spec_decode_num_drafts,
-            "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
-            "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
-            "spec_decode_acceptance_rate": s.spec_decode_num_accepted_tokens / s.spec_decode_num_draft_tokens
-            if s.spec_decode_num_draft_tokens
-            else 0.0,
-            "spec_decode_mean_acceptance_length": 1
-            + s.spec_decode_num_accepted_tokens / s.spec_decode_num_drafts
-            if s.spec_decode_num_drafts
-            else 0.0,
-            "steps": s.steps,
-            "max_running": s.max_running,
+            "steps": engine.steps,
+            "max_running": engine.max_running,
             "max_model_len": server.max_model_len,
         }
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        return Response(status_code=200 if bridge.alive else 503)
+        return Response(status_code=200 if engine.alive else 503)
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from common.tokenizer import Tokenizer
 
 from .core_client import AsyncMPClient, EngineDeadError
-from .messages import EngineCoreRequest, EngineCoreStats
+from .messages import EngineCoreRequest, SchedulerStats
 from .metrics import ServerMetrics
 from .output_processor import OutputProcessor, RequestOutputCollector
+from .outputs import RequestOutput
 from .processor import Processor
 from .sampling_params import SamplingParams
-from .sequence import RequestOutput
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DRAIN_TIMEOUT_S = 2.0  # at shutdown, how long the core may take to apply the last aborts
@@ -36,7 +36,7 @@ MAX_STEPS_PER_WAKEUP = 8  # steps read at once when the output handler is behind
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineRequest", "QueueFullError", "RequestStream"]
 
 
-def describe_features(features: dict[str, str | bool]) -> str:
+def describe_features(features: dict[str, str | bool | int]) -> str:
     """``features`` as words on one line, e.g. "device cpu, dtype float32, attention backend torch"."""
     return ", ".join(
         f"{name.replace('_', ' ')} {('on' if value else 'off') if isinstance(value, bool) else value}"
@@ -72,26 +72,6 @@ class EngineRequest:
     collector: RequestOutputCollector | None = None
 
 
-@dataclass
-class LoopStats:
-    """What the engine core reported after its last step (read by handlers: one reference)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_used_blocks: int = 0
-    num_blocks: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens admitted since start
-    prefix_cache_hits: int = 0  # of them, found in the prefix cache
-    spec_decode_num_drafts: int = 0  # speculative verifications since start
-    spec_decode_num_draft_tokens: int = 0  # tokens they proposed
-    spec_decode_num_accepted_tokens: int = 0  # of them, accepted
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    steps: int = 0
-    max_running: int = 0  # the largest running batch since start: concurrent requests did share steps
-
-
 class AsyncEngine:
     """Serves the engine core behind ``client`` to asyncio handlers (event loop only, after ``start``).
 
@@ -119,7 +99,9 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.error: BaseException | None = None
-        self.stats = LoopStats()
+        self.stats: SchedulerStats = client.config.stats  # the core's last word on them (one reference)
+        self.steps = 0  # messages of the core's steps, since the start
+        self.max_running = 0  # the largest running batch since start: concurrent requests did share steps
         self.features = client.config.features  # how the core runs, from its ready message
         self.on_dead: Callable[[], None] | None = None
         self._stopping = False
@@ -129,6 +111,7 @@ class AsyncEngine:
         self._streams: set[RequestStream] = set()  # streams with unfinished requests
         self._task: asyncio.Task | None = None
         self._stepped = asyncio.Event()  # set after every message of the core
+        self._publish(self.stats, stepped=False)  # the pool and the counts, before any request
 
     def start(self) -> None:
         """Start the output handler (in the running event loop)."""
@@ -196,7 +179,13 @@ class AsyncEngine:
             r.collector, r.submitted = collector, now
             self.output_processor.add_request(r.request_id, None, r.prompt_token_ids, r.params)
             self._routes[r.request_id] = r
-            self.client.add_request(EngineCoreRequest(r.request_id, r.prompt_token_ids, r.params))
+            try:
+                self.client.add_request(EngineCoreRequest(r.request_id, r.prompt_token_ids, r.params))
+            except EngineDeadError:  # its socket closed: the core is stopping (its last word on its way)
+                for sent in requests:
+                    self._routes.pop(sent.request_id, None)
+                    self.output_processor.abort_request(sent.request_id)
+                raise
             self._num_sent += 1
         stream = RequestStream(self, collector, {r.request_id: r.index for r in requests})
         self._streams.add(stream)
@@ -218,6 +207,8 @@ class AsyncEngine:
                 steps = [await self.client.get_output_async()]
                 while len(steps) < MAX_STEPS_PER_WAKEUP and (more := self.client.get_output_nowait()):
                     steps.append(more)  # behind the core: the steps waiting, one output per choice for all
+                for core_outputs in steps:
+                    self.output_processor.set_num_cached_tokens(core_outputs.num_cached_tokens)
                 done = self.output_processor.process_outputs([o for s in steps for o in s.outputs])
                 for request_id, index in done.to_abort:  # a stop string: the core would go on
                     self.client.abort_request(request_id, index)
@@ -274,25 +265,11 @@ class AsyncEngine:
         if m and tokens:
             m.generation_tokens.inc(tokens)  # once per call
 
-    def _publish(self, s: EngineCoreStats) -> None:
-        prev = self.stats
-        stats = LoopStats(
-            s.num_running_reqs,
-            s.num_waiting_reqs,
-            s.kv_cache_usage,
-            s.num_used_blocks,
-            s.num_blocks,
-            s.num_preemptions,
-            s.prefix_cache_queries,
-            s.prefix_cache_hits,
-            s.spec_decode_num_drafts,
-            s.spec_decode_num_draft_tokens,
-            s.spec_decode_num_accepted_tokens,
-            s.spec_decode_num_accepted_tokens_per_pos,
-            prev.steps + 1,
-            max(prev.max_running, s.num_running_reqs),
-        )
-        self.stats = stats
+    def _publish(self, s: SchedulerStats, stepped: bool = True) -> None:
+        """Take the scheduler's stats of a step (``stepped``) or of the start, and move the metrics."""
+        prev, self.stats = self.stats, s
+        self.steps += stepped
+        self.max_running = max(self.max_running, s.num_running_reqs)
         if self.metrics:
             self.metrics.running.set(s.num_running_reqs)
             self.metrics.waiting.set(self.num_waiting())
@@ -322,8 +299,8 @@ class RequestStream:
     away) aborts the requests that have not finished, so their KV blocks are freed before the next step.
     """
 
-    def __init__(self, bridge: AsyncEngine, collector: RequestOutputCollector, indices: dict[str, int]):
-        self.bridge, self.collector, self.indices = bridge, collector, indices
+    def __init__(self, engine: AsyncEngine, collector: RequestOutputCollector, indices: dict[str, int]):
+        self.engine, self.collector, self.indices = engine, collector, indices
         self.unfinished = set(indices)
         self.ready: deque[RequestOutput] = deque()  # taken from the collector, not yet yielded
 
@@ -343,13 +320,13 @@ class RequestStream:
         if out.finished:
             self.unfinished.discard(out.request_id)
             if not self.unfinished:
-                self.bridge._streams.discard(self)
+                self.engine._streams.discard(self)
         return self.indices[out.request_id], out
 
     def close(self) -> None:
-        self.bridge._streams.discard(self)
+        self.engine._streams.discard(self)
         if self.unfinished:
-            self.bridge.abort(sorted(self.unfinished))
+            self.engine.abort(sorted(self.unfinished))
             self.unfinished.clear()
 
     async def aclose(self) -> None:

@@ -60,8 +60,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     token_times: list[float] | None = None
 
 
-class EngineCoreStats(msgspec.Struct, array_like=True):
-    """The scheduler after a step: ``SchedulerStats``' fields (scheduler.py), under its names."""
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
+    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass,
+    prompt tokens admitted since the start (queries), of them those found cached (hits), blocks cached;
+    speculative decoding since the start: verifications (drafts), tokens proposed, of them accepted, accepted
+    by position (index i: lanes whose draft i + 1 was accepted), steps whose verification ran eagerly.
+
+    One type from the scheduler to the page: ``Scheduler.make_stats`` makes it, the core sends it as it is
+    (in every ``EngineCoreOutputs``, and in ``EngineCoreReady`` before any request), and ``LLM.stats``,
+    the server's metrics and ``/v1/engine/stats`` (every field, by its name) read it: a counter added here
+    and set in ``make_stats`` reaches them all."""
 
     num_running_reqs: int
     num_waiting_reqs: int
@@ -100,19 +109,25 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="outputs"):
     """One engine step: the outputs of every request it advanced (and of requests aborted or refused since
     the step before), the scheduler's stats after it, when the step began (``time.perf_counter``: the
-    machine's monotonic clock, comparable across its processes on Linux), and how many requests the core
-    has taken from its socket since it started (the frontend counts those still on their way)."""
+    machine's monotonic clock, comparable across its processes on Linux), how many requests and how many
+    aborts the core has taken from its socket since it started (the frontend counts the requests still on
+    their way, and knows when the stats show its aborts applied), and, by request id, the prompt tokens
+    that the requests prefilled in this step found in the prefix cache (those that found any: vLLM's
+    ``num_cached_tokens``, said once per request rather than in every output)."""
 
     outputs: list[EngineCoreOutput]
-    stats: EngineCoreStats
+    stats: SchedulerStats
     timestamp: float
     num_received: int
+    num_aborts_received: int
+    num_cached_tokens: dict[str, int]
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):
     """Sent once, when the engine has loaded: what the frontend needs of the resolved configuration (the
-    snapshot folder for its tokenizer, the model's config, the limits its checks use), the core's pid, and
-    how the engine runs (``engine_features``: the start-up line, /v1/engine/stats and the page show it)."""
+    snapshot folder for its tokenizer, the model's config, the limits its checks use), the core's pid, how
+    the engine runs (``engine_features``: the start-up line, /v1/engine/stats and the page show it), and the
+    scheduler's stats before any request (its pool: the frontend's figures are right from the start)."""
 
     pid: int
     folder: str
@@ -121,13 +136,15 @@ class EngineCoreReady(msgspec.Struct, array_like=True, tag="ready"):
     max_num_seqs: int
     num_kv_blocks: int
     block_size: int
-    features: dict[str, str | bool]
+    features: dict[str, str | bool | int]
+    stats: SchedulerStats
 
 
 class EngineCoreDead(msgspec.Struct, array_like=True, tag="dead"):
-    """The core cannot go on: it failed to start (``during_startup``) or a step raised; then it exits
-    non-zero. error_type: the exception's class name ("ValueError", ...); message: its text. The frontend's
-    monitor sends one too, for the core, when the process has died without a word (``kill -9``)."""
+    """The core's last word, sent before its sockets close: it failed to start (``during_startup``) or a
+    step raised (then it exits 1), or SIGTERM or SIGINT stopped it (error_type "ShutdownRequested"; exit 0).
+    error_type: the exception's class name ("ValueError", ...); message: its text. The frontend's monitor
+    sends one too, for the core, when the process has died without a word (``kill -9``)."""
 
     error_type: str
     message: str

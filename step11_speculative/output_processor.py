@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .messages import EngineCoreOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import Logprob, RequestOutputKind, SamplingParams
-from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class ChoiceState:
@@ -224,6 +224,14 @@ class OutputProcessor:
     def abort_request(self, request_id: str) -> bool:
         """Forget a request (its outputs from now on are ignored); whether it was unfinished here."""
         return self.requests.pop(request_id, None) is not None
+
+    def set_num_cached_tokens(self, counts: dict[str, int]) -> None:
+        """Record the prompt tokens each request found in the prefix cache (the core's word, by request id,
+        from the step that prefilled it): its outputs carry them (``RequestOutput.num_cached_tokens``)."""
+        for request_id, num_cached_tokens in counts.items():
+            if (state := self.requests.get(request_id)) is not None:
+                for choice in state.choices:
+                    choice.metrics.num_cached_tokens = num_cached_tokens
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Advance each output's choice (text, stop strings); return the outputs due, and which choices to

@@ -31,10 +31,10 @@ from .async_engine import (
     ServerShuttingDown,
 )
 from .metrics import ServerMetrics
+from .outputs import CompletionOutput
 from .processor import check_token_ids
 from .protocol import APIError, SamplingFields, bad_request
 from .sampling_params import RequestOutputKind, SamplingParams
-from .sequence import CompletionOutput
 
 
 class ClientDisconnected(Exception):
@@ -105,18 +105,18 @@ class OpenAIServing:
     def __init__(
         self,
         served_model_name: str,
-        bridge: AsyncEngine,
+        engine: AsyncEngine,
         metrics: ServerMetrics,
         model_root: str | None,
     ):
-        self.tokenizer = bridge.tokenizer
-        self.processor = bridge.processor
-        self.vocab_size = bridge.config.hf_config.vocab_size
-        self.max_model_len = bridge.config.max_model_len
-        self.max_num_seqs = bridge.config.max_num_seqs
+        self.tokenizer = engine.tokenizer
+        self.processor = engine.processor
+        self.vocab_size = engine.config.hf_config.vocab_size
+        self.max_model_len = engine.config.max_model_len
+        self.max_num_seqs = engine.config.max_num_seqs
         self.served_model_name = served_model_name
         self.model_root = model_root or served_model_name
-        self.bridge = bridge
+        self.engine = engine
         self.metrics = metrics
         self.created = int(time.time())
 
@@ -206,7 +206,7 @@ class OpenAIServing:
                 f"max_num_seqs={self.max_num_seqs} sequences at once",
                 "n",
             )
-        limit = self.bridge.max_waiting_requests
+        limit = self.engine.max_waiting_requests
         if num_prompts > limit:
             raise bad_request(
                 f"This request makes {num_prompts} engine requests (one per prompt), more than this server "
@@ -227,31 +227,35 @@ class OpenAIServing:
         """Hand the requests to the engine; APIError 503 if the engine core is dead, 429 if the queue is
         full."""
         try:
-            return self.bridge.submit(requests)
+            return self.engine.submit(requests)
         except QueueFullError as e:
             raise queue_full(e) from None
-        except EngineDeadError:
-            raise engine_dead(self.bridge.error) from None
+        except EngineDeadError as e:  # the core's death, or a send it could not take
+            raise engine_dead(self.engine.error or e) from None
 
     # ---- the two ways an answer leaves: a whole JSON body, or Server-Sent Events ----
 
-    async def collect(self, stream, choices: dict[int, Choice], request: Request) -> None:
-        """Fill ``choices`` from the stream; abort the requests if the client disconnects meanwhile."""
+    async def collect(self, stream, choices: dict[int, Choice], request: Request) -> int:
+        """Fill ``choices`` from the stream; abort the requests if the client disconnects meanwhile. Returns
+        the prompt tokens its requests found in the prefix cache (usage's cached_tokens)."""
+        cached: dict[int, int] = {}  # by request (the index of its first choice)
 
         async def consume() -> None:
             async with contextlib.aclosing(stream) as outputs:
                 async for index, out in outputs:
+                    cached[index] = out.num_cached_tokens
                     for c in out.outputs:
                         choices[index + c.index].add(c)
 
         try:
             await cancel_on_disconnect(request, consume())
         except EngineDeadError:
-            raise engine_dead(self.bridge.error) from None
+            raise engine_dead(self.engine.error) from None
         except ServerShuttingDown:
             raise shutting_down() from None
         except ValueError as e:
             raise bad_request(str(e)) from None
+        return sum(cached.values())
 
     async def event_stream(self, stream: RequestStream, events: AsyncIterator[bytes]) -> Response:
         """A ``text/event-stream`` response: ``events`` then ``data: [DONE]``.
@@ -265,7 +269,7 @@ class OpenAIServing:
                 async for event in events:
                     yield event
             except EngineDeadError:
-                yield sse(engine_dead(self.bridge.error).body())
+                yield sse(engine_dead(self.engine.error).body())
             except ServerShuttingDown:
                 yield sse(shutting_down().body())
             except ValueError as e:  # the engine refused a request that passed the entrance

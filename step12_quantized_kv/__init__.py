@@ -13,9 +13,10 @@ EXPORTS = {
     "engine_core": ["EngineCore"],
     "kv_cache": ["PagedKVCache"],
     "llm": ["LLM"],
+    "messages": ["SchedulerStats"],
+    "outputs": ["CompletionOutput", "RequestMetrics", "RequestOutput"],
     "sampling_params": ["Logprob", "RequestOutputKind", "SamplingParams"],
-    "scheduler": ["Scheduler", "SchedulerStats"],
-    "sequence": ["CompletionOutput", "RequestMetrics", "RequestOutput"],
+    "scheduler": ["Scheduler"],
 }
 __all__ = [name for names in EXPORTS.values() for name in names]
 

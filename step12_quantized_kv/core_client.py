@@ -3,14 +3,16 @@ once when it dies (vLLM's ``EngineCoreClient``): ``InprocClient`` (the core in t
 directly: ``LLM`` on a CPU), ``SyncMPClient`` (in a child process, for ``LLM``), ``AsyncMPClient`` (the same
 for the server's event loop, zmq.asyncio). Starting: two ``ipc://`` sockets in a private directory
 (``mkdtemp``: mode 0700), the child in a session of its own with the engine's arguments as JSON, its
-``EngineCoreReady`` awaited (its start-up error raised here). A monitor thread waits on the child: a death
-nobody asked for (``kill -9``, a crash) marks the client dead and wakes the reader with an
-``EngineCoreDead`` (vllm #21728). ``shutdown`` (also at exit) stops the child (SIGTERM, then SIGKILL) and
-removes the directory. The MP clients are not thread-safe: one thread (or event loop) uses each.
+``EngineCoreReady`` awaited (its start-up error raised here). The client is dead from the core's last word
+(``EngineCoreDead``), a send it cannot take (its socket closed), or the monitor thread, which waits on the
+child: a death nobody asked for (``kill -9``) wakes the reader with an ``EngineCoreDead`` (vllm #21728).
+``shutdown`` (also at exit) stops the child (SIGTERM, then SIGKILL) and removes the directory. The MP
+clients are not thread-safe: one thread (or event loop) uses each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -103,9 +105,10 @@ class InprocClient(EngineCoreClient):
         return True
 
 
-class _Link:
-    """What the monitor thread, the finalizer and the client share (never the client itself, so that a
-    client nobody holds is collected and its process stopped): the child, the sockets, the dead flag."""
+class BackgroundResources:
+    """What the monitor thread, the finalizer and the client share (vLLM's name; never the client itself,
+    so that a client nobody holds is collected and its process stopped): the child, the sockets, the socket
+    directory, whether shutdown was asked for, and why the core is dead (None while it lives)."""
 
     def __init__(self, proc: subprocess.Popen, context: zmq.Context, sockets: list, socket_dir: str):
         self.proc, self.context, self.sockets, self.socket_dir = proc, context, sockets, socket_dir
@@ -113,10 +116,10 @@ class _Link:
         self.dead: EngineDeadError | None = None
 
 
-def _shutdown(link: _Link) -> None:
+def _shutdown(resources: BackgroundResources) -> None:
     """Stop the child (SIGTERM, then SIGKILL), close the sockets, remove the directory. Idempotent."""
-    link.closing.set()
-    proc = link.proc
+    resources.closing.set()
+    proc = resources.proc
     if proc is not None and proc.poll() is None:
         proc.terminate()
         try:
@@ -124,24 +127,25 @@ def _shutdown(link: _Link) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    for sock in link.sockets:
+    for sock in resources.sockets:
         sock.close(linger=0)
-    link.context.term()
-    shutil.rmtree(link.socket_dir, ignore_errors=True)
+    resources.context.term()
+    shutil.rmtree(resources.socket_dir, ignore_errors=True)
 
 
-def _monitor(link: _Link, output_address: str) -> None:
+def _monitor(resources: BackgroundResources, output_address: str) -> None:
     """The monitor thread: wait for the child to exit; unless shutdown asked for it, mark the client dead
     and wake the output socket's reader with an ``EngineCoreDead``."""
-    status = link.proc.wait()
-    if link.closing.is_set():
+    status = resources.proc.wait()
+    if resources.closing.is_set():
         return
     how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
-    link.dead = EngineDeadError(f"the engine core process (pid {link.proc.pid}) {how}")
+    if resources.dead is None:  # else a failed send found it first, or the core's last word was read
+        resources.dead = EngineDeadError(f"the engine core process (pid {resources.proc.pid}) {how}")
     try:
-        wake = link.context.socket(zmq.PUSH)
+        wake = resources.context.socket(zmq.PUSH)
         wake.connect(output_address)
-        wake.send(output_encoder().encode(EngineCoreDead("EngineDeadError", str(link.dead))))
+        wake.send(output_encoder().encode(EngineCoreDead("EngineDeadError", str(resources.dead))))
         wake.close(linger=1000)
     except zmq.ZMQError:  # shut down meanwhile: nobody is waiting
         pass
@@ -170,15 +174,15 @@ class MPClient(EngineCoreClient):
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.bind(self.output_address)
         self.encoder, self.decoder = input_encoder(), output_decoder()
-        self._link = _Link(None, context, [self.input, self.output], self.socket_dir)
-        self._finalizer = weakref.finalize(self, _shutdown, self._link)
+        self._resources = BackgroundResources(None, context, [self.input, self.output], self.socket_dir)
+        self._finalizer = weakref.finalize(self, _shutdown, self._resources)
         root = str(Path(__file__).resolve().parent.parent)  # the folder holding this package and common/
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
         }
         try:
-            self._link.proc = self.proc = subprocess.Popen(
+            self._resources.proc = self.proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-c",
@@ -202,7 +206,10 @@ class MPClient(EngineCoreClient):
             self.shutdown()
             raise
         threading.Thread(
-            target=_monitor, args=(self._link, self.output_address), name="engine-core-monitor", daemon=True
+            target=_monitor,
+            args=(self._resources, self.output_address),
+            name="engine-core-monitor",
+            daemon=True,
         ).start()
 
     def _wait_ready(self) -> EngineCoreReady:
@@ -229,32 +236,41 @@ class MPClient(EngineCoreClient):
 
     @property
     def alive(self) -> bool:
-        return self._link.dead is None and not self._link.closing.is_set()
+        return self._resources.dead is None and not self._resources.closing.is_set()
 
     @property
     def dead_error(self) -> EngineDeadError:
-        return self._link.dead or EngineDeadError("the engine core was shut down")
+        return self._resources.dead or EngineDeadError("the engine core was shut down")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(request)
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:
-        self._send(EngineCoreAbort(request_id, index))
+        with contextlib.suppress(EngineDeadError):  # a dead core holds nothing to abort
+            self._send(EngineCoreAbort(request_id, index))
 
     def _send(self, message) -> None:
+        """Queue ``message`` for the core; raises EngineDeadError if it is dead, or if it cannot take the
+        message: its input socket has closed (``zmq.Again``: a stopping core closes it before it exits)."""
         if not self.alive:
             raise self.dead_error
-        self.input.send(self.encoder.encode(message), zmq.NOBLOCK, copy=False)  # no HWM: never blocks
+        try:
+            self.input.send(self.encoder.encode(message), zmq.NOBLOCK, copy=False)  # no HWM: never blocks
+        except zmq.ZMQError as e:
+            if self._resources.dead is None:
+                self._resources.dead = EngineDeadError(
+                    f"the engine core process (pid {self.proc.pid}) takes no more requests ({e})"
+                )
+            raise self._resources.dead from None
 
     def _received(self, frame) -> EngineCoreOutputs:
         """The outputs of one message; raises EngineDeadError on the core's last word (or the monitor's)."""
         message = self.decoder.decode(frame)
         if isinstance(message, EngineCoreOutputs):
             return message
-        if isinstance(message, EngineCoreDead):
-            if self._link.dead is None:
-                self._link.dead = EngineDeadError(message.message)
-            raise self._link.dead
+        if isinstance(message, EngineCoreDead):  # the core's last word says best why (or the monitor's)
+            self._resources.dead = EngineDeadError(message.message)
+            raise self._resources.dead
         raise RuntimeError(f"unexpected message from the engine core: {type(message).__name__}")
 
     def shutdown(self) -> None:
@@ -282,7 +298,7 @@ class AsyncMPClient(MPClient):
             raise self.dead_error
         if self._async_output is None:  # the output socket, seen from the running event loop
             self._async_output = zmq.asyncio.Socket.from_socket(self.output)
-            self._link.sockets.insert(0, self._async_output)
+            self._resources.sockets.insert(0, self._async_output)
         return self._received(await self._async_output.recv(copy=False))
 
     def get_output_nowait(self) -> EngineCoreOutputs | None:

@@ -21,14 +21,14 @@ from .block_manager import BlockManager
 from .config import EngineArgs
 from .draft_model import DraftModelProposer
 from .kv_cache import PagedKVCache
-from .messages import EngineCoreOutput
+from .messages import EngineCoreOutput, SchedulerStats
 from .model import GPT, kernels
 from .model_runner import AsyncModelRunnerOutput, ModelRunner
 from .ngram_proposer import NgramProposer
 from .parallel_sampling import ParentRequest
 from .processor import Processor
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerStats
+from .scheduler import Scheduler
 from .sequence import Sequence
 
 

@@ -3,8 +3,8 @@
 (``InprocClient`` calls it directly); ``run_engine_core`` is the process's busy loop: between two steps it
 takes whatever requests and aborts have arrived (blocking on the socket only when idle), steps, and sends
 one ``EngineCoreOutputs``. It sends ``EngineCoreReady`` once loaded; ``EngineCoreDead`` and exit status 1
-if the engine fails to start or a step raises; it stops cleanly (status 0) on SIGTERM or SIGINT; a watchdog
-thread exits within a second, removing the socket directory, if its parent dies (``kill -9``). ``main``:
+if the engine fails to start or a step raises; on SIGTERM or SIGINT, ``EngineCoreDead`` first, then status
+0; a watchdog thread exits within a second, removing the socket directory, if its parent dies. ``main``:
 ``--input ADDR --output ADDR --parent-pid PID --socket-dir DIR --engine-args JSON``. Sources: vLLM's
 ``vllm/v1/engine/core.py``; SGLang's ``kill_itself_when_parent_died``.
 """
@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 
+import torch
 import zmq
 
 from .config import EngineArgs
@@ -33,7 +34,6 @@ from .messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
-    EngineCoreStats,
     input_decoder,
     output_encoder,
 )
@@ -43,13 +43,15 @@ PARENT_CHECK_S = 0.2  # how often the watchdog looks for its parent
 EXPECTED_STARTUP_ERRORS = (ValueError, TypeError, ConnectionError)
 
 
-def engine_features(engine: LLMEngine) -> dict[str, str | bool]:
-    """How ``engine`` runs, as it resolved its arguments: names (device, dtype, attention backend), and
-    True / False for each mechanism that can be on or off (speculative decoding: its method, or False)."""
+def engine_features(engine: LLMEngine) -> dict[str, str | bool | int]:
+    """How ``engine`` runs, as it resolved its arguments: names (device, dtype, attention backend), the
+    process's torch threads, and True / False for each mechanism that can be on or off (speculative
+    decoding: its method, or False)."""
     args = engine.args
     return {
         "device": str(args.torch_device),
         "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
         "attention_backend": args.attention_backend,
         "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": engine.model_runner.graph_runner is not None,  # captured at start-up
@@ -71,6 +73,8 @@ class EngineCore:
     def __init__(self, engine_args: EngineArgs):
         self.engine = LLMEngine(engine_args)
         self.num_received = 0  # requests taken since the start (the frontend counts those in transit)
+        self.num_aborts_received = 0  # aborts taken since the start; those that the last step reported:
+        self.num_aborts_reported = 0  # a frontend waits for its own to be applied (LLM.stats)
         self.refused: list[EngineCoreOutput] = []
 
     def ready(self) -> EngineCoreReady:
@@ -85,6 +89,7 @@ class EngineCore:
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
             features=engine_features(self.engine),
+            stats=self.engine.stats,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -97,21 +102,55 @@ class EngineCore:
             )
 
     def abort_request(self, abort: EngineCoreAbort) -> None:
+        self.num_aborts_received += 1
         self.engine.abort_request(abort.request_id, abort.index)
 
     def has_work(self) -> bool:
         """Whether a step has something to do or to say: requests to run, a step in flight, the outputs of
-        aborted or refused requests."""
-        return self.engine.has_unfinished_requests() or bool(self.engine.aborted or self.refused)
+        aborted or refused requests, aborts not yet reported (even of requests already finished here)."""
+        return (
+            self.engine.has_unfinished_requests()
+            or bool(self.engine.aborted or self.refused)
+            or self.num_aborts_reported < self.num_aborts_received
+        )
 
     def step(self) -> EngineCoreOutputs:
-        """One engine step (if there is anything to run) and its outputs, with the scheduler's stats."""
+        """One engine step (if there is anything to run) and its outputs, with the scheduler's stats and
+        the prefix-cache hits of the requests it prefilled."""
         started = time.perf_counter()
         outputs, self.refused = self.refused, []
         outputs += self.engine.step()
+        self.num_aborts_reported = self.num_aborts_received
+        cached = {  # the requests this step prefilled (each choice of n says the same)
+            (seq.parent or seq).request_id: seq.metrics.num_cached_tokens
+            for seq in self.engine.scheduler.prefilled
+            if seq.metrics.num_cached_tokens
+        }
         return EngineCoreOutputs(
-            outputs, EngineCoreStats(**vars(self.engine.stats)), started, self.num_received
+            outputs,
+            self.engine.stats,
+            started,
+            self.num_received,
+            self.num_aborts_received,
+            cached,
         )
+
+
+def limit_torch_threads() -> str | None:
+    """One torch thread for the core process when OMP_NUM_THREADS is unset, as vLLM's workers do
+    (``set_multiprocessing_worker_envs``): torch's default, a thread per core, makes its threads wait for
+    each other whenever another process runs on those cores (the frontend, a client: a server on a 2-core
+    CPU ran 8-13x slower). Returns the line that says so, or None (the variable is set, or one thread)."""
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or threads == 1:
+        return None
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    return (
+        f"engine core: torch threads {threads} -> 1, as OMP_NUM_THREADS is unset (vLLM's workers do the "
+        "same: threads that share their cores with the frontend or a client wait for each other); set "
+        "OMP_NUM_THREADS to choose"
+    )
 
 
 class ShutdownRequested(BaseException):
@@ -121,14 +160,16 @@ class ShutdownRequested(BaseException):
 def run_engine_core(input_address: str, output_address: str, engine_args: dict) -> int:
     """The process's life: load the engine, say ready, then the busy loop; returns the exit status.
 
-    0: stopped by SIGTERM or SIGINT. 1: the engine failed to start or a step raised (``EngineCoreDead``
-    sent first, with the error)."""
+    0: stopped by SIGTERM or SIGINT. 1: the engine failed to start or a step raised. Either way its last
+    word, ``EngineCoreDead`` (the signal, or the error), is sent before its sockets close: from then on the
+    frontend's sends fail, and it must already know why."""
 
     def stop(signum, frame):
         raise ShutdownRequested(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    threads_line = limit_torch_threads()  # before the engine loads
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.setsockopt(zmq.RCVHWM, 0)  # never drop or block: the frontend's sends are the backpressure
@@ -148,6 +189,8 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
                 traceback.print_exc()
             outputs.send(encoder.encode(EngineCoreDead(type(e).__name__, str(e), during_startup=True)))
             return 1
+        if threads_line:  # said once loaded (a core that fails to start says only why)
+            print(threads_line, file=sys.stderr, flush=True)
         outputs.send(encoder.encode(core.ready()))
         gc.collect()
         gc.freeze()  # the engine, its model and pool live on: no collection scans them again (vLLM #24008)
@@ -168,7 +211,9 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
                         core.abort_request(message)
             if core.has_work():
                 outputs.send(encoder.encode(core.step()), copy=False)
-    except ShutdownRequested:
+    except ShutdownRequested as e:  # the last word first: requests sent from now on find no reader
+        stopped = f"the engine core process (pid {os.getpid()}) was stopped by {e}"
+        outputs.send(encoder.encode(EngineCoreDead(type(e).__name__, stopped, during_startup=core is None)))
         status = 0
     except Exception as e:  # noqa: BLE001 -- a step raised: tell the frontend, then exit non-zero
         traceback.print_exc()
@@ -176,7 +221,7 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
         status = 1
     finally:
         gc.unfreeze()  # so that exit frees them (else triton's bindings report each as leaked)
-        outputs.close(linger=2000)  # deliver the last word (an error), but never hang on a dead frontend
+        outputs.close(linger=2000)  # deliver the last word, but never hang on a dead frontend
         inputs.close(linger=0)
         context.term()
     return status

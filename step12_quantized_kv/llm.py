@@ -21,11 +21,11 @@ from common.tokenizer import Tokenizer
 
 from .config import EngineArgs
 from .core_client import InprocClient, SyncMPClient
-from .messages import EngineCoreRequest, EngineCoreStats
+from .messages import EngineCoreRequest, SchedulerStats
 from .output_processor import OutputProcessor
+from .outputs import RequestOutput
 from .processor import Processor
-from .sampling_params import RequestOutputKind, SamplingParams
-from .sequence import RequestOutput
+from .sampling_params import RequestOutputKind, SamplingParams, type_name
 
 
 class LLM:
@@ -36,7 +36,7 @@ class LLM:
     ``EngineArgs`` already made. model: "demo" (bundled), a Hub id or alias ("gpt2", "gpt2-medium", ...),
     or a local snapshot folder (see ``common.weights.resolve_model``). multiprocessing: the engine core in
     a child process (True) or in this one (False; default: see ``EngineArgs``). In process, ``engine`` is
-    the ``LLMEngine`` (None otherwise); ``stats``: the scheduler's figures after the last step.
+    the ``LLMEngine`` (None otherwise); ``stats``: the scheduler's figures (see ``stats``).
 
     Raises ValueError on a bad model, device, dtype or engine argument; ConnectionError if a Hub model
     cannot be fetched; RuntimeError if the engine core process dies while starting. A core process that
@@ -52,13 +52,25 @@ class LLM:
         self.config = args.hf_config
         self.processor = Processor.for_core(self.tokenizer, self.engine_core.config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats: EngineCoreStats | None = None
+        self._stats: SchedulerStats = self.engine_core.config.stats  # the pool, before any request
+        self._num_aborts_sent = 0  # aborts sent to the core; of them, those it had taken at _stats:
+        self._num_aborts_applied = 0
         self._request_ids = itertools.count()
         self._outputs: dict[str, deque[RequestOutput]] = {}  # outputs not yet read, per request of this LLM
 
     def get_tokenizer(self):
         """The tokenizer (``common.tokenizer.Tokenizer``): encode(text) -> ids, decode(ids) -> text."""
         return self.tokenizer
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler's figures after the last step read (before any: the pool), once the core has
+        applied every abort sent (a stop string's, a stream closed early): reading waits for that, one step
+        in process, the core's next messages in a child, so that no request ended here shows as running.
+        Other requests' outputs read meanwhile wait in their queues."""
+        while self._num_aborts_applied < self._num_aborts_sent and self.engine_core.alive:
+            self._step()
+        return self._stats
 
     def generate(
         self,
@@ -142,10 +154,11 @@ class LLM:
         """The next engine step's outputs (in process: the step itself), into their requests' queues; the
         choices a stop string ended are aborted in the core."""
         core_outputs = self.engine_core.get_output()
-        self.stats = core_outputs.stats
+        self._stats, self._num_aborts_applied = core_outputs.stats, core_outputs.num_aborts_received
+        self.output_processor.set_num_cached_tokens(core_outputs.num_cached_tokens)
         done = self.output_processor.process_outputs(core_outputs.outputs)
         for request_id, index in done.to_abort:
-            self.engine_core.abort_request(request_id, index)
+            self._abort(request_id, index)
         for out in done.request_outputs:
             if out.request_id in self._outputs:
                 self._outputs[out.request_id].append(out)
@@ -162,8 +175,12 @@ class LLM:
 
     def _stop(self, request_id: str) -> None:
         if self.output_processor.abort_request(request_id) and self.engine_core.alive:  # unfinished
-            self.engine_core.abort_request(request_id)
+            self._abort(request_id)
         self._outputs.pop(request_id, None)
+
+    def _abort(self, request_id: str, index: int | None = None) -> None:
+        self.engine_core.abort_request(request_id, index)
+        self._num_aborts_sent += 1
 
     def _make_requests(self, prompts, sampling_params, prompt_token_ids, output_kind) -> list:
         """One validated (prompt text or None, ``EngineCoreRequest``) per prompt (ValueError, naming the
@@ -190,7 +207,11 @@ class LLM:
         if not isinstance(sampling_params, (list, tuple)) or not all(
             isinstance(p, SamplingParams) for p in sampling_params
         ):
-            raise ValueError("sampling_params: expected SamplingParams or a list of them")
+            given = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            wrong = next(p for p in given if not isinstance(p, SamplingParams))
+            raise ValueError(
+                f"sampling_params: expected SamplingParams or a list of them, got {type_name(wrong)}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         requests = []

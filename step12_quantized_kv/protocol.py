@@ -92,7 +92,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    """OpenAI's ``include_usage`` (a last chunk with the usage); vLLM's ``continuous_usage_stats`` (every
+    chunk carries the usage so far, as guidellm asks)."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(_Body):
@@ -178,7 +182,8 @@ def _param(loc: tuple) -> str | None:
         if isinstance(p, int):
             out += f"[{p}]"
         elif i == 0 or (
-            p.isidentifier() and p in {"role", "content", "include_usage", "type", "text", "name"}
+            p.isidentifier()
+            and p in {"role", "content", "include_usage", "continuous_usage_stats", "type", "text", "name"}
         ):
             out += ("." if out else "") + p
         else:
@@ -186,13 +191,24 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-def validation_error(exc: RequestValidationError, sent_content_type: str | None = None) -> APIError:
+def validation_error(
+    exc: RequestValidationError, sent_content_type: str | None = None, body: type[BaseModel] | None = None
+) -> APIError:
     """FastAPI's 422 as OpenAI's 400: the first problem, naming the field (and its value where short).
 
     sent_content_type: the request's Content-Type if it was not JSON's (the body was read as JSON anyway);
-    named in the message when the body does not parse."""
+    named in the message when the body does not parse. body: the endpoint's body model, whose required
+    fields an empty body is told it lacks (FastAPI reports only that the body is missing)."""
     errors = exc.errors()
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    if first["type"] == "missing" and tuple(first["loc"]) == ("body",):  # no body at all
+        required = [name for name, f in body.model_fields.items() if f.is_required()] if body else []
+        fields = " and ".join(f"`{name}`" for name in required) or "the request's fields"
+        return bad_request(
+            f"The request body is empty: send a JSON object with {fields}.",
+            required[0] if required else None,
+            "missing_required_parameter",
+        )
     if first["type"] == "json_invalid":
         sent = (
             f" (sent as Content-Type: {sent_content_type}; this API reads every body as JSON)"
@@ -290,9 +306,14 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], top_n: 
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with cached_tokens, the prompt tokens found in the prefix cache, as
+    ``prompt_tokens_details.cached_tokens`` (OpenAI's field, which vLLM fills the same way)."""
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .messages import SchedulerStats
 from .sequence import Sequence
 from .spec_decode import SpecDecodingStats
 
@@ -46,48 +47,6 @@ class SchedulerOutput:
         return sum(len(seq) + len(seq.spec_token_ids) - seq.num_computed_tokens for seq in chunks) + len(
             self.decodes
         )
-
-
-@dataclass
-class SchedulerStats:
-    """The scheduler after a step (vLLM's names): requests running and waiting, the share of KV-cache
-    blocks in use (0..1) and their counts, preemptions since the start, tokens in the last forward pass,
-    prompt tokens admitted since the start (queries), of them those found cached (hits), blocks cached;
-    speculative decoding since the start: verifications (drafts), tokens proposed, of them accepted, accepted
-    by position (index i: lanes whose draft i + 1 was accepted), steps whose verification ran eagerly."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_used_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    num_batched_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_cached_blocks: int
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    num_eager_verify_steps: int = 0
-
-    @property
-    def spec_decode_acceptance_rate(self) -> float:
-        """Accepted / proposed tokens since the start (0 before any)."""
-        n = self.spec_decode_num_draft_tokens
-        return self.spec_decode_num_accepted_tokens / n if n else 0.0
-
-    @property
-    def spec_decode_mean_acceptance_length(self) -> float:
-        """Tokens a verification emits on average: 1 (the target's) + the drafts accepted (0 before any)."""
-        n = self.spec_decode_num_drafts
-        return 1 + self.spec_decode_num_accepted_tokens / n if n else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Hits / queries since the start (0 before any query)."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Scheduler:

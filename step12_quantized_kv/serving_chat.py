@@ -73,7 +73,9 @@ async def create_chat_completion(
     head = serving.response_head(rid, "chat.completion")
     stream = serving.submit(engine_requests)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
         return await serving.event_stream(
             stream,
             chat_chunks(
@@ -84,10 +86,11 @@ async def create_chat_completion(
                 top_n,
                 len(ids),
                 include_usage,
+                continuous_usage,
             ),
         )
     choices = {j: Choice(j, len(ids)) for j in range(req.n)}
-    await serving.collect(stream, choices, request)
+    cached_tokens = await serving.collect(stream, choices, request)
     body_choices = []
     for c in choices.values():
         lp = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, top_n) if top_n is not None else None
@@ -105,7 +108,7 @@ async def create_chat_completion(
         {
             **head,
             "choices": body_choices,
-            "usage": usage(len(ids), completion_tokens),
+            "usage": usage(len(ids), completion_tokens, cached_tokens),
             "system_fingerprint": None,
         }
     )
@@ -119,8 +122,11 @@ async def chat_chunks(
     top_n: int | None,
     prompt_tokens: int,
     include_usage: bool,
+    continuous_usage: bool,
 ) -> AsyncIterator[bytes]:
     extra = {"usage": None} if include_usage else {}
+    if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, in every chunk
+        extra = {"usage": usage(prompt_tokens, 0)}
     for j in range(n):  # the first chunk of every choice carries the role, as OpenAI's
         yield sse(
             {
@@ -136,8 +142,9 @@ async def chat_chunks(
                 **extra,
             }
         )
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
     async for _, out in stream:
+        cached_tokens = out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             if not c.text and not c.finish_reason and top_n is None:
@@ -148,6 +155,8 @@ async def chat_chunks(
                 else None
             )
             delta = {"content": c.text} if c.text or not c.finish_reason else {}
+            if continuous_usage:
+                extra = {"usage": usage(prompt_tokens, completion_tokens)}
             yield sse(
                 {
                     **head,
@@ -164,4 +173,4 @@ async def chat_chunks(
                 }
             )
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})

@@ -18,7 +18,7 @@ from .config import EngineArgs
 from .kv_cache import KVCache
 from .model import GPT
 from .model_runner import ModelRunner
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, type_name
 from .sequence import Sequence
 
 
@@ -77,7 +77,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         vocab = self.config.vocab_size
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type_name(params)}")
         field = "prompt" if text is not None else "prompt_token_ids"
         if len(ids) == 0:
             raise ValueError(f"{field} is empty; give at least one token")

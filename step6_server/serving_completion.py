@@ -50,10 +50,21 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
     head = serving.response_head(rid, "text_completion")
     stream = serving.submit(engine_requests)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
         return await serving.event_stream(
             stream,
-            completion_chunks(serving, stream, head, echo, req.logprobs, prompt_tokens, include_usage),
+            completion_chunks(
+                serving,
+                stream,
+                head,
+                echo,
+                req.logprobs,
+                prompt_tokens,
+                include_usage,
+                continuous_usage,
+            ),
         )
     choices = {r.index: Choice(r.index, prompt_lens[r.index // req.n]) for r in engine_requests}
     await serving.collect(stream, choices, request)
@@ -90,6 +101,7 @@ async def completion_chunks(
     logprobs: int | None,
     prompt_tokens: int,
     include_usage: bool,
+    continuous_usage: bool,
 ) -> AsyncIterator[str]:
     started: set[int] = set()
     offsets = {i: len(text) for i, text in echo.items()}  # text_offset of each choice's next token
@@ -115,6 +127,8 @@ async def completion_chunks(
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, in every chunk
+            extra = {"usage": usage(prompt_tokens, completion_tokens)}
         yield sse({**head, "choices": [choice], **extra})
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

@@ -32,7 +32,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from openai.types import Completion, Model
+from openai.types import Completion, CompletionUsage, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from .__main__ import bind, make_parser, parse_args
@@ -233,6 +233,40 @@ def test_wire_format_validates_against_the_sdk_types(served):
     assert models["object"] == "list"
     card = Model.model_validate(models["data"][0])
     assert card.id == "demo" and models["data"][0]["max_model_len"] == 512
+
+
+def continuous_usages(base_url: str, path: str, include_usage: bool) -> list:
+    """The usage of every chunk of a stream of n = 2 choices x 6 tokens asked with vLLM's
+    ``continuous_usage_stats`` (and OpenAI's ``include_usage`` or not), read with the openai SDK's types;
+    checks what every chunk's usage must say: the prompt's tokens, the completion tokens streamed so
+    far (never fewer than the chunk before), their sum; with include_usage, a last chunk without choices."""
+    prompt = {"prompt": "The Python interpreter"}
+    if path == "/v1/chat/completions":
+        prompt = {"messages": [{"role": "user", "content": "What is a list?"}]}
+    options = {"continuous_usage_stats": True, "include_usage": include_usage}
+    body = {**prompt, "max_tokens": 6, "n": 2, "seed": 1, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + path, json={**body, "stream_options": options}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(chunk.get("usage") for chunk in chunks), chunks
+    for chunk in chunks if path == "/v1/chat/completions" else []:  # (the SDK's Completion wants a
+        ChatCompletionChunk.model_validate(chunk)  # finish_reason in every chunk: its usage alone, below)
+    usages = [CompletionUsage.model_validate(chunk["usage"]) for chunk in chunks]
+    assert [chunk["choices"] == [] for chunk in chunks] == [False] * (len(chunks) - include_usage) + [
+        True
+    ] * include_usage
+    assert {u.prompt_tokens for u in usages} == {usages[-1].prompt_tokens} and usages[-1].prompt_tokens > 0
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 2 * 6
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    return usages
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served, path):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it) is honoured, with OpenAI's
+    ``include_usage`` and without it (``continuous_usages``)."""
+    for include_usage in (False, True):
+        continuous_usages(served.url, path, include_usage)
 
 
 def test_n_choices_use_seed_plus_index(client):
@@ -528,6 +562,8 @@ BAD = [
     ("echo+logprobs", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"),
     ("logit_bias", C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
     ("malformed JSON", C, b'{"prompt": "x",', 400, None, "json_invalid"),
+    ("empty body", C, b"", 400, "prompt", "missing_required_parameter"),
+    ("empty chat body", H, b"", 400, "messages", "missing_required_parameter"),
     ("body not object", C, b'["x"]', 400, None, "invalid_type"),
     ("unknown model", C, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("messages missing", H, {"max_tokens": 3}, 400, "messages", "missing_required_parameter"),

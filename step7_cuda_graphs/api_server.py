@@ -180,7 +180,9 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc, getattr(request.state, "sent_content_type", None)).response()
+        route = request.scope.get("route")  # its body model: the fields an empty body lacks
+        body = route.body_field.field_info.annotation if getattr(route, "body_field", None) else None
+        return validation_error(exc, getattr(request.state, "sent_content_type", None), body).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from numbers import Integral
 
 from .engine import LLMEngine
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams, type_name
 from .sequence import RequestOutput, Sequence
 
 
@@ -148,7 +148,11 @@ class LLM:
         if not isinstance(sampling_params, (list, tuple)) or not all(
             isinstance(p, SamplingParams) for p in sampling_params
         ):
-            raise ValueError("sampling_params: expected SamplingParams or a list of them")
+            given = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            wrong = next(p for p in given if not isinstance(p, SamplingParams))
+            raise ValueError(
+                f"sampling_params: expected SamplingParams or a list of them, got {type_name(wrong)}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         seqs = []

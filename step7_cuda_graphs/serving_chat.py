@@ -74,7 +74,9 @@ async def create_chat_completion(
     head = serving.response_head(rid, "chat.completion")
     stream = serving.submit(engine_requests)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
         return await serving.event_stream(
             stream,
             chat_chunks(
@@ -85,6 +87,7 @@ async def create_chat_completion(
                 top_n,
                 len(ids),
                 include_usage,
+                continuous_usage,
             ),
         )
     choices = {j: Choice(j, len(ids)) for j in range(req.n)}
@@ -120,8 +123,11 @@ async def chat_chunks(
     top_n: int | None,
     prompt_tokens: int,
     include_usage: bool,
+    continuous_usage: bool,
 ) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
+    if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, in every chunk
+        extra = {"usage": usage(prompt_tokens, 0)}
     for j in range(n):  # the first chunk of every choice carries the role, as OpenAI's
         yield sse(
             {
@@ -149,6 +155,8 @@ async def chat_chunks(
             else None
         )
         delta = {"content": c.text} if c.text or not c.finish_reason else {}
+        if continuous_usage:
+            extra = {"usage": usage(prompt_tokens, completion_tokens)}
         yield sse(
             {
                 **head,

@@ -22,7 +22,7 @@ from .config import EngineArgs
 from .kv_cache import PagedKVCache
 from .model import GPT, kernels
 from .model_runner import AsyncModelRunnerOutput, ModelRunner
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, type_name
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import RequestOutput, Sequence
 
@@ -135,7 +135,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         vocab = self.config.vocab_size
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type_name(params)}")
         field = "prompt" if text is not None else "prompt_token_ids"
         if len(ids) == 0:
             raise ValueError(f"{field} is empty; give at least one token")

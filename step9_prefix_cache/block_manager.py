@@ -125,8 +125,9 @@ class BlockManager:
         """Give a new sequence its blocks: the cached ones ``cached`` (one reference more each), then fresh
         blocks for the rest of its tokens, which are all its prefill computes (``num_computed_tokens``);
         fork the other choices waiting inside it (``seq.forks``) off its blocks. Returns seq, then those.
-        Counts the query and hits (cache on) at its first admission only: a preempted sequence that finds
-        its own blocks again is no hit (vLLM #25780)."""
+        Counts the query and hits (cache on) at its first admission only, as its choices'
+        ``metrics.num_cached_tokens``: a preempted sequence that finds its own blocks again is no hit
+        (vLLM #25780)."""
         if seq.request_id in self.block_tables:
             raise RuntimeError(f"sequence {seq.request_id} already has blocks")
         for block_id in cached:
@@ -137,6 +138,8 @@ class BlockManager:
         if self.enable_prefix_caching and seq.metrics.first_scheduled_time is None:
             self.num_queried_tokens += len(seq)
             self.num_hit_tokens += len(cached) * self.block_size
+            for choice in [seq, *seq.forks]:  # what the request's usage reports
+                choice.metrics.num_cached_tokens = len(cached) * self.block_size
         forks, seq.forks = seq.forks, []
         for fork in forks:
             self.fork(seq, fork)

@@ -139,3 +139,13 @@ GREEDY_BELOW = 1e-5  # temperatures under this are greedy: dividing logits by th
 def is_greedy(params: SamplingParams) -> bool:
     """True if the request decodes greedily (argmax, no randomness): temperature below GREEDY_BELOW."""
     return params.temperature < GREEDY_BELOW
+
+
+def type_name(value) -> str:
+    """The name of ``value``'s type, for an error that expected this step's ``SamplingParams``: another
+    step's SamplingParams is named with its step (each step has a class of its own, which isinstance tells
+    apart: step 9's parameters passed to step 10's engine are not step 10's)."""
+    kind = type(value)
+    if kind.__name__ == SamplingParams.__name__ and kind is not SamplingParams:
+        return f"a SamplingParams of {kind.__module__.split('.')[0]}, not of {__package__}"
+    return kind.__name__

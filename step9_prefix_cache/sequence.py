@@ -25,18 +25,21 @@ from .sampling_params import Logprob, RequestOutputKind, SamplingParams
 
 @dataclass
 class RequestMetrics:
-    """When things happened to one request, in seconds of ``time.perf_counter()``.
+    """When things happened to one request, in seconds of ``time.perf_counter()``, and what its prompt
+    found in the prefix cache.
 
     arrival_time: when the request was added; first_scheduled_time: when it first entered a forward
     pass (so queue time = first_scheduled_time - arrival_time); token_times: when each output token
     was sampled; finished_time: when it finished. ttft_s: time to first token (arrival -> first token);
     decode_latencies_s: the gaps between consecutive tokens (inter-token latency, ITL).
+    num_cached_tokens: the prompt tokens found in the prefix cache at its first admission (vLLM's name).
     """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    num_cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -92,6 +95,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's name; OpenAI's usage.prompt_tokens_details)."""
+        return self.metrics.num_cached_tokens
 
 
 class Sequence:

@@ -240,12 +240,15 @@ class OpenAIServing:
 
     # ---- the two ways an answer leaves: a whole JSON body, or Server-Sent Events ----
 
-    async def collect(self, stream, choices: dict[int, Choice], request: Request) -> None:
-        """Fill ``choices`` from the stream; abort the requests if the client disconnects meanwhile."""
+    async def collect(self, stream, choices: dict[int, Choice], request: Request) -> int:
+        """Fill ``choices`` from the stream; abort the requests if the client disconnects meanwhile. Returns
+        the prompt tokens its requests found in the prefix cache (usage's cached_tokens)."""
+        cached: dict[int, int] = {}  # by request (the index of its first choice)
 
         async def consume() -> None:
             async with contextlib.aclosing(stream) as outputs:
                 async for index, out in outputs:
+                    cached[index] = out.num_cached_tokens
                     for c in out.outputs:
                         choices[index + c.index].add(c)
 
@@ -257,6 +260,7 @@ class OpenAIServing:
             raise shutting_down() from None
         except ValueError as e:
             raise bad_request(str(e)) from None
+        return sum(cached.values())
 
     async def event_stream(self, stream: RequestStream, events: AsyncIterator[str]) -> Response:
         """A ``text/event-stream`` response: ``events`` then ``data: [DONE]``.

@@ -13,6 +13,7 @@ stays in use. The Triton kernel and the torch backend agree on a chunk of new qu
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from types import SimpleNamespace
 
@@ -21,6 +22,8 @@ import torch
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types import Completion, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import step8_async_scheduling
 
@@ -767,6 +770,97 @@ def test_server_n_is_one_engine_request_and_metrics(demo_snapshot, llm):
         "async_scheduling": False,
         "prefix_caching": True,
     }
+
+
+def sse_chunks(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(demo_snapshot, llm):
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field, filled as vLLM does): 0 for a prompt
+    seen the first time, its full blocks but the last token's the second time; completions and chat, whole
+    and streamed (the usage chunk), read with the openai SDK's types. ``RequestOutput.num_cached_tokens``
+    (vLLM's name) says the same, for each of n choices."""
+    engine = LLMEngine(model=str(demo_snapshot), block_size=BLOCK)
+    kinds = {
+        "/v1/completions": (Completion, Completion),
+        "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
+    }
+    with TestClient(build_app(engine)) as client:
+        for i, (path, stream) in enumerate([(p, s) for p in kinds for s in (False, True)]):
+            text = f"Request {i} asks the server about modules, packages and the import system"
+            body = (
+                {"prompt": text}
+                if path == "/v1/completions"
+                else {"messages": [{"role": "user", "content": text}]}
+            )
+            body |= {"max_tokens": 3, "temperature": 0, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            whole, chunk = kinds[path]
+            cached = []
+            for _ in range(2):
+                r = client.post(path, json=body)
+                answer = chunk.model_validate(sse_chunks(r)[-1]) if stream else whole.model_validate(r.json())
+                cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+            assert cached == [0, (answer.usage.prompt_tokens - 1) // BLOCK * BLOCK], (path, stream)
+    text = "The standard library's modules are imported like any other module"
+    params = SamplingParams(max_tokens=3, temperature=0)
+    first, again = (llm.generate(text, params)[0] for _ in range(2))
+    (choices,) = llm.generate(text, SamplingParams(n=2, max_tokens=3, seed=0))
+    hits = (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
+    assert (first.num_cached_tokens, again.num_cached_tokens, choices.num_cached_tokens) == (0, hits, hits)
+
+
+def continuous_usages(client: TestClient, path: str, include_usage: bool) -> list:
+    """The usage of every chunk of a stream of n = 2 choices x 6 tokens asked with vLLM's
+    ``continuous_usage_stats`` (and OpenAI's ``include_usage`` or not), read with the openai SDK's types;
+    checks what every chunk's usage must say: the prompt's tokens, the completion tokens streamed so
+    far (never fewer than the chunk before), their sum; with include_usage, a last chunk without choices."""
+    prompt = {"prompt": "The Python interpreter"}
+    if path == "/v1/chat/completions":
+        prompt = {"messages": [{"role": "user", "content": "What is a list?"}]}
+    options = {"continuous_usage_stats": True, "include_usage": include_usage}
+    body = {**prompt, "max_tokens": 6, "n": 2, "seed": 1, "ignore_eos": True, "stream": True}
+    chunks = sse_chunks(client.post(path, json={**body, "stream_options": options}))
+    assert all(chunk.get("usage") for chunk in chunks), chunks
+    for chunk in chunks if path == "/v1/chat/completions" else []:  # (the SDK's Completion wants a
+        ChatCompletionChunk.model_validate(chunk)  # finish_reason in every chunk: its usage alone, below)
+    usages = [CompletionUsage.model_validate(chunk["usage"]) for chunk in chunks]
+    assert [chunk["choices"] == [] for chunk in chunks] == [False] * (len(chunks) - include_usage) + [
+        True
+    ] * include_usage
+    assert {u.prompt_tokens for u in usages} == {usages[-1].prompt_tokens} and usages[-1].prompt_tokens > 0
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 2 * 6
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    return usages
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(demo_snapshot):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it) is honoured, with OpenAI's
+    ``include_usage`` and without it, for completions and chat (``continuous_usages``)."""
+    with TestClient(build_app(LLMEngine(model=str(demo_snapshot), block_size=BLOCK))) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for include_usage in (False, True):
+                continuous_usages(client, path, include_usage)
+
+
+def test_an_empty_body_is_told_the_field_it_lacks(demo_snapshot):
+    """An empty body gets OpenAI's 400 naming the field it lacks (FastAPI says only "Field required")."""
+    with TestClient(build_app(LLMEngine(model=str(demo_snapshot), block_size=BLOCK))) as client:
+        answers = {
+            path: client.post(path, content=b"") for path in ("/v1/completions", "/v1/chat/completions")
+        }
+    for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]:
+        r = answers[path]
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {
+            "message": f"The request body is empty: send a JSON object with `{field}`.",
+            "type": "invalid_request_error",
+            "param": field,
+            "code": "missing_required_parameter",
+        }
 
 
 def test_server_inter_token_latency_is_timed_per_choice(demo_snapshot):

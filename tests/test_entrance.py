@@ -73,6 +73,27 @@ def test_prompt_plus_max_tokens_past_the_window_is_refused_naming_both(llms, ste
     assert len(out[0].outputs[0].token_ids) == 1  # what fits runs
 
 
+@pytest.mark.parametrize("step", STEP_NAMES)
+def test_another_steps_sampling_params_is_named_as_such(llms, step):
+    """Each step has a SamplingParams class of its own, which isinstance tells apart: another step's, given
+    to ``LLM.generate`` (alone or in a list) or to the engine, is refused naming both steps, not as
+    "expected SamplingParams, got SamplingParams"."""
+    llm, module = llms(step), importlib.import_module(step)
+    other = STEP_NAMES[STEP_NAMES.index(step) - 1] if step != STEP_NAMES[0] else STEP_NAMES[1]
+    foreign = importlib.import_module(other).SamplingParams(max_tokens=2)
+    said = f"sampling_params: .*, got a SamplingParams of {other}, not of {step}$"
+    with pytest.raises(ValueError, match=said):
+        llm.generate("x", foreign)
+    with pytest.raises(ValueError, match=said):
+        llm.generate(["x", "y"], [module.SamplingParams(max_tokens=2), foreign])
+    with pytest.raises(ValueError, match=r"expected SamplingParams or a list of them, got dict$"):
+        llm.generate("x", {"max_tokens": 2})
+    make_sequence = llm.engine.make_sequence
+    request_id = ("r",) if "request_id" in inspect.signature(make_sequence).parameters else ()
+    with pytest.raises(ValueError, match=said):
+        make_sequence(*request_id, "x", foreign)
+
+
 # Ctrl-C at a chosen point of a real command line's start-up: this module, found on PYTHONPATH as
 # sitecustomize, sends the process SIGINT when it starts to import torch, or opens the tokenizer's files
 # (the engine's load, after torch). A real signal at a point fixed by the process itself, not by a timer.

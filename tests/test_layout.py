@@ -111,22 +111,21 @@ UNCHANGED_FROM_PREVIOUS = {
         "__main__.py",
     ],
     # step 9 changes the block manager, the scheduler, sequences and SamplingParams (n), the prefill's
-    # inputs and attention over cached context, and the server's n and metrics: the sampler, the kernels,
-    # the graphs and the wire types stay
+    # inputs and attention over cached context, and the server's n, metrics and usage (the prompt tokens
+    # found cached): the sampler, the kernels, the graphs and the command line stay
     "step9_prefix_cache": [
         "sampler.py",
         "kernels.py",
         "cuda_graph.py",
-        "protocol.py",
         "__main__.py",
     ],
     # step 10 moves the step loop into a process of its own and the text out of it: the sequence loses
-    # detokenization and stop strings, the engine returns token ids, the server and LLM talk to the core;
-    # the scheduler, the block manager, the model, its runner, the kernels, the wire types and the page stay
+    # detokenization, stop strings and the outputs (to outputs.py), the engine returns token ids, the
+    # scheduler's stats become a message, the server and LLM talk to the core; the block manager, the
+    # model, its runner, the kernels, the wire types and the page stay
     "step10_engine_core": [
         "sampling_params.py",
         "sampler.py",
-        "scheduler.py",
         "block_manager.py",
         "kv_cache.py",
         "model.py",
@@ -298,6 +297,65 @@ def test_an_import_circle_is_found(tmp_path):
     (tmp_path / "b.py").write_text("from .c import y\n")
     (tmp_path / "c.py").write_text("from . import a\n")
     assert find_import_circle(tmp_path) == ["a", "b", "c", "a"]
+
+
+# The engine core's boundary (steps 10 on): the frontend (HTTP, the tokenizer and text, ``LLM``, the
+# client of the core) imports no file of the engine core (the engine, its scheduler, block manager,
+# sequences, pool, model, runner, kernels, drafts ...); both import the shared files: the wire
+# (messages.py), the request's parameters, its outputs (outputs.py: the core's Sequence keeps its timings
+# in a RequestMetrics) and the entrance checks (processor.py, run on both sides). Every other file of a step
+# is the core's, a new one included. Two crossings, each named: core_client.py runs the core in process
+# (InprocClient, LLM on a CPU); config.py, the engine's arguments that both sides make, sizes the pool and
+# resolves the backend and the draft with the core's own helpers.
+FRONTEND_FILES = [
+    "__main__.py",
+    "api_server.py",
+    "async_engine.py",
+    "core_client.py",
+    "llm.py",
+    "metrics.py",
+    "output_processor.py",
+    "protocol.py",
+    "serving_chat.py",
+    "serving_completion.py",
+    "serving_engine.py",
+]
+SHARED_FILES = ["config.py", "messages.py", "outputs.py", "processor.py", "sampling_params.py"]
+CORE_CROSSINGS = {
+    "core_client.py": {"engine_core"},
+    "config.py": {"block_manager", "kv_cache", "model", "spec_decode"},
+}
+ENGINE_CORE_STEPS = [s for s in STEPS if (s / "engine_core.py").is_file()]
+
+
+def core_imports(folder: Path) -> dict[str, list[str]]:
+    """The core files that each frontend or shared file of ``folder`` imports beyond its named crossing."""
+    ours = FRONTEND_FILES + SHARED_FILES
+    core = {p.stem for p in folder.glob("*.py") if p.name not in ours and not p.name.startswith("test_")}
+    found = {}
+    for name in ours:
+        crossing = relative_imports(folder / name) & (core - {"__init__"}) - CORE_CROSSINGS.get(name, set())
+        if crossing:
+            found[name] = sorted(crossing)
+    return found
+
+
+@pytest.mark.parametrize("step", ENGINE_CORE_STEPS, ids=lambda s: s.name)
+def test_the_frontend_imports_no_file_of_the_engine_core(step):
+    assert all((step / name).is_file() for name in FRONTEND_FILES + SHARED_FILES), step.name
+    assert core_imports(step) == {}
+
+
+def test_a_frontend_file_that_imports_the_core_is_found(tmp_path):
+    for name in FRONTEND_FILES + SHARED_FILES:
+        (tmp_path / name).write_text("from .messages import EngineCoreOutput\n")
+    (tmp_path / "sequence.py").write_text("")
+    (tmp_path / "engine_core.py").write_text("")
+    (tmp_path / "llm.py").write_text(
+        "from .sequence import RequestOutput\nfrom .engine_core import EngineCore\n"
+    )
+    (tmp_path / "core_client.py").write_text("from .engine_core import EngineCore\n")
+    assert core_imports(tmp_path) == {"llm.py": ["engine_core", "sequence"]}
 
 
 @pytest.mark.parametrize("step", STEPS, ids=lambda s: s.name)
