@@ -314,6 +314,11 @@ class IncrementalDetokenizer:
         """The new complete text after appending ``token_id``; may be ``""``."""
         return self._utf8.decode(self.tokenizer.decode_bytes([token_id]))
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """The new complete text after appending every id of ``token_ids``, in one call: what ``push``
+        of each would return, joined."""
+        return self._utf8.decode(self.tokenizer.decode_bytes(token_ids))
+
     def flush(self) -> str:
         """Whatever was held back, decoded as the end of the stream."""
         return self._utf8.decode(b"", final=True)

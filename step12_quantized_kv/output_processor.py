@@ -54,25 +54,30 @@ class ChoiceState:
     ) -> None:
         """Add the tokens the core sampled for this choice since its last output (``EngineCoreOutput``: one
         a step; a FINAL_ONLY request's all at once, made at ``token_times``, else now), with the core's
-        finish at the last of them (or None); release text; a stop string may finish the choice at any of
-        them (the tokens after it are dropped). The core's order is step 9's: a stop token or the end of
-        sequence ends it before any stop string is looked for; a stop string before max_tokens or the
-        window."""
-        hit, last, now = None, len(token_ids) - 1, time.perf_counter()
-        for i, token_id in enumerate(token_ids):
-            self.output_token_ids.append(token_id)
-            if self.logprobs is not None:
-                self.logprobs.append(logprobs[i])
-            self.metrics.token_times.append(token_times[i] if token_times else now)
-            if token_id not in self.special_token_ids:
-                self.pending += self.detokenizer.push(token_id)
-            if i == last and finish_reason == "stop":  # a stop token or the end of sequence
-                break
-            if self.params.stop and (hit := self._first_stop_string()) is not None:
-                cut, stop = hit
-                self.finish("stop", stop_reason=stop)
-                self.pending = self.pending[:cut]
-                break
+        finish at the last of them (or None); release text. A stop string may finish the choice at any of
+        them (the tokens after it are dropped), so with stop strings the text is made token by token;
+        without, all at once (``push_many``: the same text, in one call). The core's order is step 9's: a
+        stop token or the end of sequence ends it before any stop string is looked for; a stop string
+        before max_tokens or the window."""
+        hit, kept = None, len(token_ids)
+        if self.params.stop:
+            for i, token_id in enumerate(token_ids):
+                if token_id not in self.special_token_ids:
+                    self.pending += self.detokenizer.push(token_id)
+                if i == kept - 1 and finish_reason == "stop":  # a stop token or the end of sequence
+                    break
+                if (hit := self._first_stop_string()) is not None:
+                    kept, (cut, stop) = i + 1, hit
+                    self.finish("stop", stop_reason=stop)
+                    self.pending = self.pending[:cut]
+                    break
+        else:
+            shown = [t for t in token_ids if t not in self.special_token_ids]
+            self.pending += self.detokenizer.push_many(shown)
+        self.output_token_ids += token_ids[:kept]
+        if self.logprobs is not None:
+            self.logprobs += logprobs[:kept]
+        self.metrics.token_times += token_times[:kept] if token_times else [time.perf_counter()] * kept
         if not self.finished and finish_reason is not None:
             self.finish(finish_reason, stop_reason)
         if self.finished:

@@ -88,6 +88,22 @@ def test_split_emoji_is_held_back_until_complete(demo_tokenizers):
     assert detok.flush() == ""
 
 
+def test_push_many_makes_the_text_push_makes_one_id_at_a_time(demo_tokenizers):
+    """``push_many`` (a FINAL_ONLY request's tokens at once, in step 10's frontend) returns exactly what
+    ``push`` of each id returns, joined: whole texts, an emoji split over byte tokens at every cut, and
+    bytes that are no UTF-8 (U+FFFD where a one-at-a-time stream puts it)."""
+    ours, _ = demo_tokenizers
+    byte = {b: ours.encoding.encode_single_token(bytes([b])) for b in range(256)}
+    streams = [ours.encode(text) for text in TEXTS]
+    streams += [[byte[b] for b in "a😀b".encode()], [byte[0xF0], byte[0x9F], byte[0x41], byte[0xE2]]]
+    for ids in streams:
+        for cut in range(len(ids) + 1):
+            one, many = IncrementalDetokenizer(ours), IncrementalDetokenizer(ours)
+            expected = "".join(one.push(i) for i in ids[:cut]), "".join(one.push(i) for i in ids[cut:])
+            assert (many.push_many(ids[:cut]), many.push_many(ids[cut:])) == expected
+            assert many.flush() == one.flush()
+
+
 def test_incomplete_tail_at_the_end_becomes_replacement_character(demo_tokenizers):
     ours, _ = demo_tokenizers
     first_byte = ours.encoding.encode_single_token("😀".encode()[:1])
