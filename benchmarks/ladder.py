@@ -42,7 +42,7 @@ POINTS = {
     "batch 256, long": (256, 512, 256, 2),
 }
 QUICK_POINTS = {"batch 1": (1, 8, 8, 1), "batch 4": (4, 8, 8, 1)}
-SLOW_ENGINES_RUNS = 3  # steps 5 and 6 (no CUDA graphs: several times slower) take part in the first 3 runs
+SLOW_ENGINES_RUNS = 3  # steps 5 and 6 (no CUDA graphs: several times slower): the first 3 runs at batch 256
 PROFILE = {"point": "batch 256", "top": 25}  # cProfile of one generate call per step, after the runs
 
 
@@ -106,7 +106,7 @@ def run(
             "runs": runs,
             "timing": "LLM.generate calls back to back, the device synchronised; one untimed run per engine "
             "first; engines alternated, the order rotated per run; steps 5 and 6 in the first "
-            f"{SLOW_ENGINES_RUNS} runs only; ratios are medians of per-run ratios",
+            f"{SLOW_ENGINES_RUNS} runs only at batch 256; ratios are medians of per-run ratios",
             "gc": "every engine built, then gc.freeze(): a collection over the engines' objects would land "
             "on whichever engine runs then",
             "quick": quick,
@@ -213,7 +213,11 @@ def measure(
         return call
 
     engines = ({"hf_static": hf_call()} if hf is not None else {}) | {s: engine_call(s) for s in llms}
-    slow = {s: SLOW_ENGINES_RUNS for s in ("step5", "step6") if s in engines and runs > SLOW_ENGINES_RUNS}
+    slow = {  # at the largest points only, where their runs take several seconds
+        s: SLOW_ENGINES_RUNS
+        for s in ("step5", "step6")
+        if s in engines and runs > SLOW_ENGINES_RUNS and b >= 256
+    }
     raw = harness.alternate(engines, runs, warmup=1, runs_of=slow)
     names = list(llms)
     ratios = {f"{a}/{b_}": (a, b_, "throughput_tok_s") for b_, a in zip(names, names[1:])}
