@@ -16,6 +16,7 @@ tokenizer names (embeddings padded to a multiple of 64 are common): such an id d
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import os
 import re
@@ -289,7 +290,7 @@ class Tokenizer:
         An id that the tokenizer does not name (a model's embedding can be padded past its vocabulary)
         has no bytes, as in Hugging Face's ``decode``.
         """
-        return b"".join(self._id_to_bytes.get(i, b"") for i in token_ids)
+        return b"".join(map(self._id_to_bytes.get, token_ids, itertools.repeat(b"")))
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``; bytes that are not valid UTF-8 become U+FFFD."""

@@ -71,9 +71,12 @@ class ChoiceState:
                     self.finish("stop", stop_reason=stop)
                     self.pending = self.pending[:cut]
                     break
+        elif self.special_token_ids.isdisjoint(token_ids):
+            self.pending += self.detokenizer.push_many(token_ids)
         else:
-            shown = [t for t in token_ids if t not in self.special_token_ids]
-            self.pending += self.detokenizer.push_many(shown)
+            self.pending += self.detokenizer.push_many(
+                [t for t in token_ids if t not in self.special_token_ids]
+            )
         self.output_token_ids += token_ids[:kept]
         if self.logprobs is not None:
             self.logprobs += logprobs[:kept]

@@ -132,16 +132,24 @@ class LLMEngine:
         self.add_sequence(self.make_sequence(request_id, prompt, sampling_params))
 
     def make_sequence(
-        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        checked: bool = False,
     ) -> Sequence:
         """Tokenize and check one request (the core's own word: the frontend checked it first, with the
-        same ``Processor``); queues nothing.
+        same ``Processor``); queues nothing. checked: the token ids and parameters were made by that
+        ``Processor`` in this process, with these limits (``InprocClient``): not checked again.
 
         Raises ValueError if the id is in use, or what ``Processor.process`` raises.
         """
         if not isinstance(request_id, str) or request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id={request_id!r}: must be a string not used by an unfinished request")
-        text, ids, params = self.processor.process(prompt, sampling_params)
+        if checked:
+            text, ids, params = None, prompt, sampling_params
+        else:
+            text, ids, params = self.processor.process(prompt, sampling_params)
         if any(f"{i}_{request_id}" in self.requests for i in range(1, params.n)):
             raise ValueError(f"request_id={request_id!r}: the ids of its choices are in use")
         return Sequence(request_id, text, ids, params, self.tokenizer, self.max_model_len, self.device)

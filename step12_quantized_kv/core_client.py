@@ -89,7 +89,7 @@ class InprocClient(EngineCoreClient):
         self.config = self.core.ready()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.core.add_request(request)
+        self.core.add_request(request, checked=True)  # by this process's Processor, with the core's limits
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:
         self.core.abort_request(EngineCoreAbort(request_id, index))

@@ -92,10 +92,13 @@ class EngineCore:
             stats=self.engine.stats,
         )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, checked: bool = False) -> None:
+        """Queue a request, checked again as the core's own word unless ``checked`` (in process: the
+        frontend's own object, made by a ``Processor`` of this core's limits a moment ago)."""
         self.num_received += 1
         try:
-            self.engine.add_request(request.request_id, request.prompt_token_ids, request.sampling_params)
+            ids, params = request.prompt_token_ids, request.sampling_params
+            self.engine.add_sequence(self.engine.make_sequence(request.request_id, ids, params, checked))
         except ValueError as e:  # the frontend checked it: this is the engine's own word
             self.refused.append(
                 EngineCoreOutput(request.request_id, 0, [], finish_reason="abort", error=str(e))
