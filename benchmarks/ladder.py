@@ -324,6 +324,8 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
+    """Per model: each point's tok/s by engine (top row), and each step over the step before at every
+    point, with the 0.97 line the ladder holds them to (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -331,21 +333,42 @@ def plot(result: dict, path: Path) -> Path:
 
     models = result["models"]
     npoints = max(len(m["points"]) for m in models.values())
-    fig, axes = plt.subplots(len(models), npoints, figsize=(4.5 * npoints, 4), squeeze=False)
-    for row, (name, model) in zip(axes, models.items()):
-        for ax, (point_name, point) in zip(row, model["points"].items()):
+    fig = plt.figure(figsize=(4.5 * npoints, 7.5 * len(models)))
+    grid = fig.add_gridspec(2 * len(models), npoints)
+    for m, (name, model) in enumerate(models.items()):
+        top = [fig.add_subplot(grid[2 * m, j]) for j in range(npoints)]
+        for ax, (point_name, point) in zip(top, model["points"].items()):
             engines = list(point["median"])
             values = [point["median"][e]["throughput_tok_s"] for e in engines]
             colors = ["C8" if e == "hf_static" else "C0" for e in engines]
             bars = ax.bar(range(len(engines)), values, color=colors)
-            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+            ax.bar_label(
+                bars, labels=[f"{v / 1e3:.3g}k" if v >= 1e4 else f"{v:.0f}" for v in values], fontsize=6
+            )
             ax.set_xticks(range(len(engines)), [e.replace("step", "") for e in engines], fontsize=8)
             ax.set_title(f"{name}: {point_name}", fontsize=9)
             ax.set_ylabel("tok/s (median)")
+        ax = fig.add_subplot(grid[2 * m + 1, :])
+        for i, (point_name, point) in enumerate(model["points"].items()):
+            labels = [label for label in point["ratios"] if not label.endswith("hf_static")]
+            ax.plot(
+                range(len(labels)),
+                [point["ratios"][label]["median"] for label in labels],
+                "o-",
+                label=point_name,
+                color=f"C{i}",
+            )
+        ax.axhline(float(TARGET.split()[1]), color="red", linestyle="--", linewidth=1, label="target 0.97")
+        ax.set_xticks(range(len(labels)), [label.replace("step", "") for label in labels], fontsize=8)
+        ax.set_ylabel("step / the step before (median of runs)")
+        ax.set_ylim(0.85, 1.15)
+        ax.legend(fontsize=7)
+        ax.set_title(f"{name}: each step against the one before", fontsize=9)
     machine = result["machine"]
     fig.suptitle(
         f"The ladder: steps {FIRST_STEP}+ and HF's static cache, {machine.get('gpu') or machine['cpu']}, "
-        f"{machine['dtype']}, median of {result['workload']['runs']} run(s)",
+        f"{machine['dtype']}, median of {result['workload']['runs']} run(s), "
+        f"commit {machine.get('git_commit')}",
         fontsize=10,
     )
     fig.tight_layout()
