@@ -94,7 +94,7 @@ class Scheduler:
         if drafted:
             self._verify_drafts(out)
         out.blocks_to_copy, blocks.blocks_to_copy = blocks.blocks_to_copy, {}
-        # 2. Admit waiting requests in arrival order while all three limits allow; no overtaking. Not when
+        # 3. Admit waiting requests in arrival order while all three limits allow; no overtaking. Not when
         # memory is short (someone was preempted): admitting anyone now would only preempt again.
         budget = self.max_num_batched_tokens - out.num_batched_tokens
         # A request's cached leading blocks cost no tokens; its n choices need n places in the batch.
