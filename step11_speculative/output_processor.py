@@ -59,24 +59,21 @@ class ChoiceState:
         without, all at once (``push_many``: the same text, in one call). The core's order is step 9's: a
         stop token or the end of sequence ends it before any stop string is looked for; a stop string
         before max_tokens or the window."""
-        hit, kept = None, len(token_ids)
+        hit, kept, special = None, len(token_ids), self.special_token_ids
         if self.params.stop:
             for i, token_id in enumerate(token_ids):
-                if token_id not in self.special_token_ids:
+                if token_id not in special:
                     self.pending += self.detokenizer.push(token_id)
-                if i == kept - 1 and finish_reason == "stop":  # a stop token or the end of sequence
+                if i == len(token_ids) - 1 and finish_reason == "stop":  # a stop token or end of sequence
                     break
                 if (hit := self._first_stop_string()) is not None:
                     kept, (cut, stop) = i + 1, hit
                     self.finish("stop", stop_reason=stop)
                     self.pending = self.pending[:cut]
                     break
-        elif self.special_token_ids.isdisjoint(token_ids):
-            self.pending += self.detokenizer.push_many(token_ids)
         else:
-            self.pending += self.detokenizer.push_many(
-                [t for t in token_ids if t not in self.special_token_ids]
-            )
+            shown = token_ids if special.isdisjoint(token_ids) else [t for t in token_ids if t not in special]
+            self.pending += self.detokenizer.push_many(shown)
         self.output_token_ids += token_ids[:kept]
         if self.logprobs is not None:
             self.logprobs += logprobs[:kept]
