@@ -31,6 +31,7 @@ STEPS = [
     "step10_engine_core",
     "step11_speculative",
     "step12_quantized_kv",
+    "step13_chunked_prefill",
 ]
 PROMPTS = ["The Python interpreter", "x", "A list comprehension is a concise way to", "Exceptions are raised"]
 
@@ -86,6 +87,7 @@ def top5_agree(step, demo_snapshot, dtype: str) -> None:
         "step10_engine_core",
         "step11_speculative",
         "step12_quantized_kv",
+        "step13_chunked_prefill",
     ],
 )
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

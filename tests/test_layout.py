@@ -190,6 +190,37 @@ UNCHANGED_FROM_PREVIOUS = {
         "spec_decode.py",
         "static/index.html",
     ],
+    # step 13 chunks prompts under one token budget: the scheduler, the block manager's fork and chunk runs,
+    # the runner's and input batch's chunk lanes, the arguments (config.py), the stats and metrics change;
+    # the model, kernels, pool, speculation, sampling and the server stay
+    "step13_chunked_prefill": [
+        "__main__.py",
+        "api_server.py",
+        "core_client.py",
+        "cuda_graph.py",
+        "draft_model.py",
+        "kernels.py",
+        "kv_cache.py",
+        "kv_quant.py",
+        "kv_write.py",
+        "llm.py",
+        "model.py",
+        "ngram_proposer.py",
+        "output_processor.py",
+        "outputs.py",
+        "parallel_sampling.py",
+        "processor.py",
+        "protocol.py",
+        "rejection_sampler.py",
+        "sampler.py",
+        "sampling_params.py",
+        "sequence.py",
+        "serving_chat.py",
+        "serving_completion.py",
+        "serving_engine.py",
+        "spec_decode.py",
+        "static/index.html",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
@@ -200,6 +231,7 @@ MECHANISM_TESTS = {
     "step10_engine_core": "test_engine_core.py",
     "step11_speculative": "test_speculative.py",
     "step12_quantized_kv": "test_quantized_kv.py",
+    "step13_chunked_prefill": "test_chunked_prefill.py",
 }
 # One file per serving concept, named alike in every generating step (the root README's Layout), so that a
 # diff lands in the file named for its mechanism.
@@ -231,6 +263,7 @@ def test_layout():
         "step10_engine_core",
         "step11_speculative",
         "step12_quantized_kv",
+        "step13_chunked_prefill",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):

@@ -1,0 +1,107 @@
+"""CUDA graphs: the decode step's forward pass captured once per batch size, then replayed.
+
+A decode step of GPT-2 124M launches about 160 small kernels, each costing the host more time to launch from
+Python than the GPU to run; a CUDA graph records them once (stream capture) and replays them with one call
+(step 7's README has the timings). It replays fixed kernels on fixed addresses, so its inputs live in
+persistent buffers (input_batch.py) and one graph is captured per batch size of a ladder (``capture_sizes``:
+vLLM's, 1, 2, 4, 8, then every ``CAPTURE_STEP``) that a batch is padded up to; lengths and block tables are
+data, so one graph serves every context length. Only decode-only steps replay; the sampler runs outside.
+Graphs are captured largest first into one memory pool and share one logits buffer. Sources: PyTorch's "CUDA
+Graphs" notes; nano-vllm's ``capture_cudagraph``; vLLM's ``CudagraphDispatcher``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+CAPTURE_STEP = 16  # rungs above 8: every 16 sequences (the padding cost is measured in README.md)
+
+
+def capture_sizes(max_num_seqs: int, step: int = CAPTURE_STEP) -> list[int]:
+    """The batch sizes that get a graph: 1, 2, 4, 8, then every ``step`` up to ``max_num_seqs``, which is
+    always a rung itself, so that every batch size from 1 to it has a rung at or above it."""
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + [b for b in range(step, max_num_seqs, step) if b > 8] + [max_num_seqs]
+
+
+def padded_size(sizes: list[int], num_seqs: int) -> int:
+    """The smallest rung of ``sizes`` (sorted) that holds ``num_seqs`` sequences. Raises ValueError above
+    the largest."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    if i == len(sizes):
+        raise ValueError(f"{num_seqs} sequences: the largest batch size of the ladder is {sizes[-1]}")
+    return sizes[i]
+
+
+@dataclass
+class CaptureStats:
+    """What capturing took: the graphs' batch sizes, seconds (warm-up included), and bytes of device
+    memory the process took meanwhile (the shared pool, the logits buffer, library workspaces)."""
+
+    sizes: list[int]
+    seconds: float
+    memory_bytes: int
+
+
+class CUDAGraphRunner:
+    """One CUDA graph of ``forward`` per batch size of ``sizes``, replayed on demand.
+
+    forward(b) -> logits [b, V]: one decode step's forward pass over the first b lanes of the persistent
+    input buffers, which must hold valid inputs (padding lanes) whenever it runs outside a replay.
+    logits: the graphs' shared output [max(sizes), V] in ``dtype``; ``replay(b)`` returns its first b rows
+    (overwritten by the next replay). Raises RuntimeError from ``capture`` if a kernel cannot be captured.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[int], torch.Tensor],
+        sizes: list[int],
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.forward = forward
+        self.sizes = sorted(sizes)
+        self.vocab_size, self.dtype, self.device = vocab_size, dtype, device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None
+        self.stats: CaptureStats | None = None
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureStats:
+        """Capture every graph: one eager warm-up pass per size on a side stream (library handles and
+        workspaces, Triton's compiled kernels, the allocator's blocks are set up outside the capture),
+        then the captures, largest first, into one memory pool. Returns (and keeps) the ``CaptureStats``."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # as each capture does: the difference below is then what the graphs hold
+        free_before, started = torch.cuda.mem_get_info(self.device)[0], time.perf_counter()
+        self.logits = torch.empty(max(self.sizes), self.vocab_size, dtype=self.dtype, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for b in self.sizes:
+                self.logits[:b].copy_(self.forward(b))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[:b].copy_(self.forward(b))  # [b, V]
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.stats = CaptureStats(
+            sizes=self.sizes,
+            seconds=time.perf_counter() - started,
+            memory_bytes=free_before - torch.cuda.mem_get_info(self.device)[0],
+        )
+        return self.stats
+
+    def replay(self, b: int) -> torch.Tensor:
+        """Run the graph of batch size ``b`` (a rung) on the buffers' current contents: logits [b, V]."""
+        self.graphs[b].replay()
+        return self.logits[:b]
