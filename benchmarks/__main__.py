@@ -84,6 +84,11 @@ BENCHMARKS = {
         "12",
         "what an 8-bit KV cache costs and buys: held-out perplexity, top-1; kernel, tok/s, a fixed pool",
     ),
+    "chunked_prefill": (
+        "benchmarks.chunked_prefill",
+        "13",
+        "what chunked prefill buys running streams under a burst and Poisson arrivals, what it costs (vs 12)",
+    ),
     "ladder": (
         "benchmarks.ladder",
         "5-12",

@@ -14,6 +14,7 @@ import torch
 from benchmarks import (
     async_scheduling_profile,
     attention,
+    chunked_prefill,
     continuous,
     cuda_graphs,
     gpu,
@@ -621,6 +622,45 @@ def test_quantized_kv_benchmark_measures_accuracy_and_the_speed_points(demo_snap
     assert pool["int8"]["num_kv_blocks"] > 3 * pool["auto"]["num_kv_blocks"]  # fp32 model: 256 vs 66 bytes
     assert set(written["speed"]["kernel"]["1x64"]["median"]) == set(quantized_kv.MODES)
     assert "top-1 = auto" in quantized_kv.report(written)
+
+
+def test_chunked_prefill_benchmark_runs_each_part_on_every_engine(demo_snapshot, tmp_path):
+    """On a CPU, --quick sizes: (a) the burst on step 12, step 13 off and step 13 at each budget, with the
+    running streams' gaps and the burst's figures; (b) every Poisson rate and the steady batch (rate 0) on
+    step 12 and step 13; (c) the generate ratio from per-run figures; the JSON as written, the report."""
+    sizes = chunked_prefill.SIZES["quick"]
+    result = chunked_prefill.run(["demo"], "cpu", 1, sizes, quick=True, out_dir=tmp_path)
+    written = json.loads((tmp_path / "quick" / "chunked_prefill-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "quick" / "chunked_prefill-cpu.png").stat().st_size > 0
+    model = written["models"]["demo"]
+
+    burst = model["burst"]["engines"]
+    assert list(burst) == ["step12", "step13_off", *(f"step13_{b}" for b in sizes["burst"]["budgets"])]
+    for name, engine in burst.items():
+        expected = sizes["burst"]["off_budget"] if name in ("step12", "step13_off") else int(name[7:])
+        assert engine["max_num_batched_tokens"] == expected and engine["num_preemptions"] == 0
+        (run,) = engine["runs"]
+        assert run["gaps"] > 0 and 0 < run["gap_p50_ms"] <= run["gap_p99_ms"] <= run["gap_max_ms"]
+        assert run["burst_ttft_p50_ms"] <= run["burst_ttft_p99_ms"] <= run["prefilled_ms"] + 1e-6
+        assert (run["eager_share"] is None) == (name == "step12")  # step 12 has no step counters
+    assert burst["step12"]["prefilled_vs_step12"] == 1
+
+    poisson = model["poisson"]
+    assert list(poisson["points"]) == ["0", *map(str, sizes["poisson"]["rates"])]
+    assert poisson["arrivals"]["0"] == 0 and poisson["budgets"]["step13"] == 512  # the CPU default
+    for rate, point in poisson["points"].items():
+        for name in ("step12", "step13"):
+            (run,) = point["runs"][name]
+            assert run["arrived"] <= poisson["arrivals"][rate] and run["itl_p50_ms"] > 0 < run["span_s"]
+            assert point["vs_steady"][name]["itl_p99"] > 0
+    assert poisson["points"]["0"]["vs_steady"]["step13"] == {"itl_p50": 1, "itl_p99": 1}
+
+    (point,) = model["generate"].values()
+    (a,), (b,) = point["runs"]["step13"], point["runs"]["step12"]
+    assert point["ratio"]["per_run"] == pytest.approx([a["tok_per_s"] / b["tok_per_s"]])
+    assert 0 < a["eager_share"] <= 1 and b["eager_share"] is None
+    assert "fully prefilled vs step 12" in chunked_prefill.report(written)
 
 
 def test_async_scheduling_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):
