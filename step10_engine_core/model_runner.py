@@ -81,8 +81,9 @@ class ModelRunner:
         self.block_manager = block_manager  # who owns which block
         self.capture_sizes = capture_sizes(max_num_seqs)  # the ladder a decode-only batch is padded to
         self.max_blocks = blocks_for(model.config.n_positions, kv_cache.block_size)  # block-table width
+        most = min(max_num_batched_tokens, max_num_seqs * model.config.n_positions)  # a step's most tokens
         self.input_batch = InputBatch(
-            max_num_seqs, max_num_batched_tokens, self.max_blocks, kv_cache.block_size, scratch_block, device
+            max_num_seqs, most, self.max_blocks, kv_cache.block_size, scratch_block, device
         )
         self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cudagraphs
 

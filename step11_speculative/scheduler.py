@@ -132,7 +132,9 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         """Remove a request, waiting or running, freeing its blocks at once (registering none: an abort
-        may interrupt a step whose keys and values were never written)."""
+        may interrupt a step whose keys and values were never written); a choice of n not forked yet is
+        never forked (``_unfork``)."""
+        self._unfork(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
@@ -140,6 +142,19 @@ class Scheduler:
             self.block_manager.free(seq.request_id)
         elif seq.request_id in self.block_manager.block_tables:  # an interrupt (Ctrl-C) inside schedule()
             self.block_manager.free(seq.request_id)
+
+    def _unfork(self, seq: Sequence) -> None:
+        """An aborted choice of n > 1 that is not forked yet must never be: one carried by another choice
+        (``forks``) leaves it; one that carries others (choice 0, waiting) hands them its place in the queue,
+        the first of them carrying the rest."""
+        if seq.forks:
+            heir, *rest = seq.forks
+            seq.forks, heir.forks = [], rest
+            self.waiting[self.waiting.index(seq)] = heir
+        elif seq.parent is not None:
+            for choice in seq.parent.choices:
+                if seq in choice.forks:
+                    choice.forks.remove(seq)
 
     def make_stats(self) -> SchedulerStats:
         blocks = self.block_manager

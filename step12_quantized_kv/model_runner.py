@@ -110,7 +110,8 @@ class ModelRunner:
         self.capture_sizes = capture_sizes(max_num_seqs)  # the ladder a uniform batch is padded to
         self.max_blocks = blocks_for(model.config.n_positions, kv_cache.block_size)  # block-table width
         self.num_speculative_tokens = k = num_speculative_tokens  # k: a uniform verification lane's drafts
-        num_tokens = max(max_num_batched_tokens, max_num_seqs * (1 + k))  # the largest rung's verification
+        most = min(max_num_batched_tokens, max_num_seqs * model.config.n_positions)  # a step's most tokens
+        num_tokens = max(most, max_num_seqs * (1 + k))  # or the largest rung's verification
         self.input_batch = InputBatch(
             max_num_seqs, num_tokens, self.max_blocks, kv_cache.block_size, scratch_block, device
         )

@@ -274,11 +274,17 @@ class EngineArgs:
         """Resolve and check the step's token budget. Chunked prefill off: at least the context window
         (the default), as in step 12. On: the device's measured default (``DEFAULT_TOKEN_BUDGET``, or
         max_num_seqs if more), at least max_num_seqs (every running request decodes in every step) and
-        block_size, and a long_prefill_token_threshold at most the budget (0 is None: no threshold)."""
+        block_size, and a long_prefill_token_threshold at most the budget (0 is None: no threshold; any
+        other needs chunking on)."""
         budget, threshold = self.max_num_batched_tokens, self.long_prefill_token_threshold
         if threshold == 0:
             self.long_prefill_token_threshold = threshold = None
         if not self.enable_chunked_prefill:
+            if threshold is not None:
+                raise ValueError(
+                    f"long_prefill_token_threshold={threshold!r}: caps a prompt's chunks, so it needs "
+                    "enable_chunked_prefill=True"
+                )
             self.max_num_batched_tokens = budget = window if budget is None else budget
             if budget < window:
                 raise ValueError(

@@ -193,7 +193,9 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         """Remove a request, waiting, part-way through its prompt or running, freeing its blocks at once
-        (registering none: an abort may interrupt a step whose keys and values were never written)."""
+        (registering none: an abort may interrupt a step whose keys and values were never written); a
+        choice of n not forked yet is never forked (``_unfork``)."""
+        self._unfork(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.prefilling:
@@ -204,6 +206,28 @@ class Scheduler:
             self.block_manager.free(seq.request_id)
         elif seq.request_id in self.block_manager.block_tables:  # an interrupt (Ctrl-C) inside schedule()
             self.block_manager.free(seq.request_id)
+
+    def _unfork(self, seq: Sequence) -> None:
+        """An aborted choice of n > 1 that is not forked yet must never be: one carried by another choice
+        (``forks``) leaves it; one that carries others (choice 0, waiting or part-way) hands them its place,
+        its blocks and its computed tokens, the first of them carrying the rest."""
+        if seq.forks:
+            heir, *rest = seq.forks
+            seq.forks, heir.forks = [], rest
+            heir.num_computed_tokens, heir.block_hashes = seq.num_computed_tokens, seq.block_hashes
+            for queue in (self.waiting, self.prefilling):
+                if seq in queue:
+                    queue[queue.index(seq)] = heir
+            blocks = self.block_manager
+            if seq.request_id in blocks.block_tables:
+                blocks.block_tables[heir.request_id] = blocks.block_tables.pop(seq.request_id)
+                blocks.chains[heir.request_id] = blocks.chains.pop(seq.request_id)
+            if seq in self.chunked:
+                self.chunked[heir] = self.chunked.pop(seq)
+        elif seq.parent is not None:
+            for choice in seq.parent.choices:
+                if seq in choice.forks:
+                    choice.forks.remove(seq)
 
     def make_stats(self) -> SchedulerStats:
         blocks = self.block_manager

@@ -10,6 +10,7 @@ preempted and aborted cleanly (every block back); bad budgets are refused naming
 
 from __future__ import annotations
 
+import functools
 import random
 
 import httpx
@@ -350,6 +351,10 @@ def test_random_aborts_part_way_leave_every_block_free(demo_snapshot, want, seed
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold=-1: must be an integer >= 0"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "max_num_batched_tokens=64"),
         (dict(enable_chunked_prefill="yes"), "enable_chunked_prefill='yes'"),
+        (
+            dict(enable_chunked_prefill=False, long_prefill_token_threshold=8),
+            "long_prefill_token_threshold=8",
+        ),
     ],
 )
 def test_bad_budgets_are_refused_naming_the_field(demo_snapshot, args, named):
@@ -417,3 +422,52 @@ def test_gpu_chunks_beside_graph_replayed_decodes(demo_snapshot, dtype, budget, 
     assert on.engine.model_runner.graph_runner is not None
     assert 0 < stats.num_eager_steps < stats.num_steps
     assert stats.num_steps - stats.num_eager_steps >= MAX_TOKENS - 4  # the decode-only steps replayed
+
+
+def test_a_huge_budget_allocates_only_what_a_step_can_hold(demo_snapshot):
+    """A budget far past any step (10**30 tokens) is allowed; the input buffers hold what a step can: at most
+    max_num_seqs sequences of a window each (steps 7-12 the same)."""
+    llm = chunked(demo_snapshot, 10**30, max_num_seqs=2)
+    assert len(llm.engine.model_runner.input_batch.np["input_ids"]) == 2 * 512
+    out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("step", ["step10_engine_core", "step11_speculative", "step12_quantized_kv", "here"])
+@pytest.mark.parametrize("part_way", [False, True])
+def test_aborting_one_choice_before_the_fork(demo_snapshot, step, index, part_way):
+    """``abort_request(id, index)`` of a request of 3 choices before they are forked (waiting; in this step
+    also part-way through its prompt): that choice ends, the other two finish with the greedy ids, and no
+    block is left in use. Before the fix the aborted choice was forked all the same and held its blocks, or
+    (index 0) the choices it carried were never scheduled."""
+    import importlib
+
+    if part_way and step != "here":
+        pytest.skip("only this step has prompts part-way")
+    module = importlib.import_module(__package__ if step == "here" else step)
+    args = dict(max_num_batched_tokens=16) if step == "here" else {}
+    engine = module.LLMEngine(model=str(demo_snapshot), block_size=BLOCK, **args)
+    prompt = engine.tokenizer.encode(PROMPTS[3])
+    engine.add_request("a", prompt, module.SamplingParams(max_tokens=5, temperature=0, n=3))
+    if part_way:
+        engine.step()
+        assert engine.scheduler.prefilling
+    engine.abort_request("a", index)
+    got: dict[int, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.index, []).extend(out.new_token_ids)
+        steps += 1
+        assert steps < 200
+    others = {i: got[i] for i in range(3) if i != index}
+    assert got[index] == [] and all(ids == want_ids(demo_snapshot)[:5] for ids in others.values())
+    assert engine.stats.num_used_blocks == 0 and engine.scheduler.running == []
+
+
+@functools.cache
+def want_ids(demo_snapshot) -> list[int]:
+    return greedy_ids(
+        step12.LLM(model=str(demo_snapshot), block_size=BLOCK), [PROMPTS[3]], step12.SamplingParams
+    )[0][0]
