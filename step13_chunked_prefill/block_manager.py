@@ -104,9 +104,11 @@ class BlockManager:
         still gets its logits (vLLM's rule; nano-vllm issue #144)."""
         if not self.enable_prefix_caching:
             return []
+        token_ids = seq.token_ids
         found, parent = [], 0  # parent: the registration of the block before (0: none)
-        for j in range((len(seq) - 1) // self.block_size):
-            block = self._registered(*self._hash(seq.token_ids, seq.block_hashes, j), parent)
+        for j in range((len(token_ids) - 1) // self.block_size):
+            tokens, block_hash = self._hash(token_ids, seq.block_hashes, j)
+            block = self._registered(tokens, block_hash, parent)
             if block is None:
                 break
             found.append(block.block_id)
@@ -118,7 +120,7 @@ class BlockManager:
         """Whether the sequence fits, given its cached leading blocks ``cached``: its other blocks come out
         of the free queue, and so do the cached blocks that no sequence holds now."""
         new = self.blocks_for(len(seq)) - len(cached)
-        idle = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        idle = len(self.free_blocks.keys() & cached)
         return new + idle <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, cached: list[int]) -> None:
@@ -130,16 +132,19 @@ class BlockManager:
         own blocks again is no hit (vLLM #25780)."""
         if seq.request_id in self.block_tables:
             raise RuntimeError(f"sequence {seq.request_id} already has blocks")
+        chain = []
         for block_id in cached:
             self._share(block_id)
-        self.block_tables[seq.request_id] = cached + self._take(self.blocks_for(len(seq)) - len(cached))
-        self.chains[seq.request_id] = [self.blocks[b].registration for b in cached]
-        seq.num_computed_tokens = len(cached) * self.block_size
+            chain.append(self.blocks[block_id].registration)
+        num_tokens, num_hit_tokens = len(seq), len(cached) * self.block_size
+        self.block_tables[seq.request_id] = cached + self._take(self.blocks_for(num_tokens) - len(cached))
+        self.chains[seq.request_id] = chain
+        seq.num_computed_tokens = num_hit_tokens
         if self.enable_prefix_caching and seq.metrics.first_scheduled_time is None:
-            self.num_queried_tokens += len(seq)
-            self.num_hit_tokens += len(cached) * self.block_size
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
             for choice in [seq, *seq.forks]:  # what the request's usage reports
-                choice.metrics.num_cached_tokens = len(cached) * self.block_size
+                choice.metrics.num_cached_tokens = num_hit_tokens
 
     def fork(self, seq: Sequence, child: Sequence) -> None:
         """Give ``child`` (another choice of seq's request, parallel_sampling.py) every block of ``seq`` by
@@ -213,7 +218,8 @@ class BlockManager:
             return
         table = self.block_tables[seq.request_id]
         if not chain:
-            chain.append(self._register(table[0], *self._hash(seq.token_ids, seq.block_hashes, 0), 0))
+            tokens, block_hash = self._hash(seq.token_ids, seq.block_hashes, 0)
+            chain.append(self._register(table[0], tokens, block_hash, 0))
         runs = self.unhashed.get(chain[-1])
         if len(chain) < n and runs is not None:  # None: that registration is gone, nothing can reach these
             tokens = tuple(seq.token_ids[: n * self.block_size])
@@ -255,10 +261,10 @@ class BlockManager:
         """Register a written full block (tokens hashed block_hash, after registration parent); returns its
         registration. A block found registered (another sequence computed it too) stays so, and its
         registration is returned; another chain's block under the same hash (a collision) is replaced."""
-        if (block := self._registered(tokens, block_hash, parent)) is not None:
-            return block.registration
-        if (other := self.cached_blocks.get(block_hash)) is not None:  # a collision: replaced
-            self.blocks[other].block_hash = None
+        if (other := self.cached_blocks.get(block_hash)) is not None:
+            if (block := self._registered(tokens, block_hash, parent)) is not None:
+                return block.registration
+            self.blocks[other].block_hash = None  # a collision: replaced
             del self.unhashed[self.blocks[other].registration]  # no lookup can reach what follows it
         block = self.blocks[block_id]
         self.num_registrations += 1
@@ -299,7 +305,7 @@ class BlockManager:
     def _pop_free(self) -> int:
         """The block at the front of the free queue, held once; a cached one is evicted: its hash is
         dropped before anything rewrites it."""
-        block_id = self.free_blocks.popitem(last=False)[0]
+        block_id = self.free_blocks.popitem(False)[0]  # last=False: the front
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
