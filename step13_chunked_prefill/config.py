@@ -162,9 +162,9 @@ class EngineArgs:
     )
     long_prefill_token_threshold: int | None = engine_arg(
         None,
-        "with chunked prefill, the most prompt tokens one request computes in a step (None or 0: the budget "
+        "with chunked prefill, the most prompt tokens one request computes in a step (default: the budget "
         "only; at most --max-num-batched-tokens)",
-        (lambda value: value is None or (is_integer(value) and value >= 0), "an integer >= 0, or None"),
+        OPTIONAL_COUNT,
         type=int,
     )
     attention_backend: str = engine_arg(
@@ -274,11 +274,8 @@ class EngineArgs:
         """Resolve and check the step's token budget. Chunked prefill off: at least the context window
         (the default), as in step 12. On: the device's measured default (``DEFAULT_TOKEN_BUDGET``, or
         max_num_seqs if more), at least max_num_seqs (every running request decodes in every step) and
-        block_size, and a long_prefill_token_threshold at most the budget (0 is None: no threshold; any
-        other needs chunking on)."""
+        block_size, and a long_prefill_token_threshold (None: none) at most the budget, with chunking on."""
         budget, threshold = self.max_num_batched_tokens, self.long_prefill_token_threshold
-        if threshold == 0:
-            self.long_prefill_token_threshold = threshold = None
         if not self.enable_chunked_prefill:
             if threshold is not None:
                 raise ValueError(

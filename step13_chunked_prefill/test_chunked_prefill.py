@@ -348,7 +348,8 @@ def test_random_aborts_part_way_leave_every_block_free(demo_snapshot, want, seed
         (dict(max_num_batched_tokens=1, max_num_seqs=1), "max_num_batched_tokens=1"),  # below block_size 4
         (dict(max_num_batched_tokens=-5), "max_num_batched_tokens=-5: must be an integer >= 1"),
         (dict(max_num_batched_tokens=16, long_prefill_token_threshold=17), "long_prefill_token_threshold=17"),
-        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold=-1: must be an integer >= 0"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold=-1: must be an integer >= 1"),
+        (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold=0: must be an integer >= 1"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "max_num_batched_tokens=64"),
         (dict(enable_chunked_prefill="yes"), "enable_chunked_prefill='yes'"),
         (
@@ -368,10 +369,6 @@ def test_the_defaults_are_the_devices_and_printed(demo_snapshot, capsys):
     args = EngineArgs(model=str(demo_snapshot), max_num_seqs=600)
     assert args.max_num_batched_tokens == 600  # the CPU default (512) is below max_num_seqs
     assert EngineArgs(model=str(demo_snapshot)).max_num_batched_tokens == 512
-    assert (
-        EngineArgs(model=str(demo_snapshot), long_prefill_token_threshold=0).long_prefill_token_threshold
-        is None
-    )
     LLMEngine(model=str(demo_snapshot), max_num_batched_tokens=64, long_prefill_token_threshold=16)
     err = capsys.readouterr().err
     assert (
