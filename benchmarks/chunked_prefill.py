@@ -1,15 +1,12 @@
 """Step 13's benchmark: what chunked prefill buys the running streams, and what it costs (vs step 12).
 
-(a) burst: running decodes reach steady decoding, then a burst of long prompts arrives at once: the running
-streams' inter-token gaps until the burst is fully prefilled, the burst's TTFT, tok/s; step 12 and step 13
-with chunking off at a budget that admits prompts beside the decodes, step 13 with chunking at several
-budgets. (b) Poisson arrivals of long prompts into a steady decode batch at three rates: the steady
-streams' ITL against no arrivals. (c) ``LLM.generate`` throughput at each step's defaults, alternated.
-Engines stepped in process (``LLMEngine``); random prompt ids. Details: benchmarks/README.md.
+(a) a burst of long prompts into running decodes: the running streams' gaps until the burst is prefilled,
+its TTFT, tok/s; step 12 and step 13 off at a budget that admits prompts beside the decodes, step 13 on at
+several budgets. (b) Poisson arrivals of long prompts into a steady batch: ITL against none. (c)
+``LLM.generate`` throughput at each step's defaults, alternated. Engines stepped in process; random ids.
 
     python -m benchmarks chunked_prefill --device cuda    # GPT-2 124M shapes, fp16 (the recorded run)
     OMP_NUM_THREADS=1 python -m benchmarks chunked_prefill  # CPU, the demo, fp32, smaller sizes (~3.5 min)
-    python -m benchmarks chunked_prefill --quick            # CPU, tiny sizes: checks that it runs
 """
 
 from __future__ import annotations
