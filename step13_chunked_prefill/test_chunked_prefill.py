@@ -89,6 +89,33 @@ def test_greedy_ids_equal_step_12_at_every_budget_and_threshold(demo_snapshot, w
         assert stats.num_steps > 2 * MAX_TOKENS
 
 
+EVERYTHING = dict(  # the prefix cache off, n-gram drafts, an int8 pool, n = 2 (below)
+    enable_prefix_caching=False,
+    kv_cache_dtype="int8",
+    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+)
+
+
+@pytest.fixture(scope="module")
+def want_everything(demo_snapshot) -> list[list[list[int]]]:
+    """Step 12's greedy ids of PROMPTS, n = 2, with EVERYTHING."""
+    theirs = step12.LLM(model=str(demo_snapshot), block_size=BLOCK, **EVERYTHING)
+    return greedy_ids(theirs, params=step12.SamplingParams, n=2)
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_with_everything_at_once_at_every_budget_and_threshold(
+    demo_snapshot, want_everything, budget, threshold
+):
+    """The prefix cache off, n-gram speculation, an int8 pool and n = 2 together: step 12's ids."""
+    if threshold > budget:
+        pytest.skip("a threshold above the budget is refused (test_bad_budgets_are_refused_naming_the_field)")
+    llm = chunked(demo_snapshot, budget, threshold, **EVERYTHING)
+    assert greedy_ids(llm, n=2) == want_everything
+    assert llm.stats.spec_decode_num_drafts > 0 and llm.stats.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("budget, threshold", [(16, 7), (37, None), (64, 1)])
 def test_greedy_ids_equal_step_12_without_the_prefix_cache(demo_snapshot, want, budget, threshold):
     llm = chunked(demo_snapshot, budget, threshold, enable_prefix_caching=False)
