@@ -459,18 +459,20 @@ def test_a_huge_budget_allocates_only_what_a_step_can_hold(demo_snapshot):
 
 @pytest.mark.parametrize("index", [0, 1])
 @pytest.mark.parametrize("step", ["step10_engine_core", "step11_speculative", "step12_quantized_kv", "here"])
-@pytest.mark.parametrize("part_way", [False, True])
+@pytest.mark.parametrize("part_way", [False, True, "async"])
 def test_aborting_one_choice_before_the_fork(demo_snapshot, step, index, part_way):
     """``abort_request(id, index)`` of a request of 3 choices before they are forked (waiting; in this step
-    also part-way through its prompt): that choice ends, the other two finish with the greedy ids, and no
-    block is left in use. Before the fix the aborted choice was forked all the same and held its blocks, or
-    (index 0) the choices it carried were never scheduled."""
+    also part-way through its prompt, its chunk in flight or not): that choice ends, the other two finish
+    with the greedy ids, and no block is left in use. Before the fix the aborted choice was forked all the
+    same and held its blocks, or (index 0) the choices it carried were never scheduled."""
     import importlib
 
     if part_way and step != "here":
         pytest.skip("only this step has prompts part-way")
     module = importlib.import_module(__package__ if step == "here" else step)
     args = dict(max_num_batched_tokens=16) if step == "here" else {}
+    if part_way == "async":  # its chunk in flight when the abort comes: the heir takes that chunk's end too
+        args["async_scheduling"] = True
     engine = module.LLMEngine(model=str(demo_snapshot), block_size=BLOCK, **args)
     prompt = engine.tokenizer.encode(PROMPTS[3])
     engine.add_request("a", prompt, module.SamplingParams(max_tokens=5, temperature=0, n=3))
