@@ -159,6 +159,13 @@ class BlockManager:
         if len(seq) % self.block_size:  # both write into the shared last block next: copy-on-write
             self.copy_on_write.update((seq.request_id, child.request_id))
 
+    def hand_over(self, seq_id: str, heir_id: str) -> None:
+        """The blocks of sequence ``seq_id`` (if it holds any) become ``heir_id``'s, the same prompt's other
+        choice, not forked yet: it takes the place of the choice aborted part-way (``Scheduler._unfork``)."""
+        if seq_id in self.block_tables:
+            self.block_tables[heir_id] = self.block_tables.pop(seq_id)
+            self.chains[heir_id] = self.chains.pop(seq_id)
+
     def append(self, seq_id: str, num_tokens: int) -> bool:
         """Make room for the sequence to hold ``num_tokens`` tokens (one more than it held: a decode),
         taking a block if its last one is full. A forked choice's first write, into the partly filled last

@@ -23,8 +23,9 @@ from .spec_decode import SpeculativeConfig, check_draft
 # multiprocessing=None: the engine core in a child process on CUDA? (never on a CPU, where the two processes
 # would share its cores); set from the H200 measurement of LLM.generate: not faster there (step 10's README)
 MULTIPROCESSING_ON_CUDA = False
-# the token budget of a step with chunked prefill on, by device type, measured (step 13's README, benchmarks/
-# chunked_prefill.py): the largest that kept every running stream's inter-token gap under the target
+# the token budget of a step with chunked prefill on, by device type (step 13's README, benchmarks/
+# chunked_prefill.py): on a CPU the smallest measured budget whose burst was prefilled within 1.5x of step
+# 12's time; on CUDA provisional, until the GPU run of that benchmark chooses it by the same rule
 DEFAULT_TOKEN_BUDGET = {"cuda": 2048, "cpu": 512}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -148,7 +149,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = engine_arg(
         None,
         "the token budget of one step, decodes and prompt chunks together (default: 2,048 on CUDA, 512 on a "
-        "CPU, measured: step 13's README; at least --max-num-seqs and --block-size); with chunked prefill "
+        "CPU: step 13's README; at least --max-num-seqs and --block-size); with chunked prefill "
         "off, at least the context window (its default), so that any prompt is prefilled in one step",
         OPTIONAL_COUNT,
         type=int,

@@ -171,9 +171,9 @@ class Scheduler:
             return n
         self.prefilling.remove(seq)
         forks, seq.forks = seq.forks, []
+        for fork in forks:
+            self.block_manager.fork(seq, fork)
         for choice in [seq, *forks]:
-            if choice is not seq:
-                self.block_manager.fork(seq, choice)
             self.running.append(choice)
             out.prefills.append(choice)
             if choice.metrics.first_scheduled_time is None:
@@ -218,10 +218,7 @@ class Scheduler:
             for queue in (self.waiting, self.prefilling):
                 if seq in queue:
                     queue[queue.index(seq)] = heir
-            blocks = self.block_manager
-            if seq.request_id in blocks.block_tables:
-                blocks.block_tables[heir.request_id] = blocks.block_tables.pop(seq.request_id)
-                blocks.chains[heir.request_id] = blocks.chains.pop(seq.request_id)
+            self.block_manager.hand_over(seq.request_id, heir.request_id)
             if seq in self.chunked:
                 self.chunked[heir] = self.chunked.pop(seq)
         elif seq.parent is not None:

@@ -10,7 +10,6 @@ preempted and aborted cleanly (every block back); bad budgets are refused naming
 
 from __future__ import annotations
 
-import functools
 import random
 
 import httpx
@@ -460,7 +459,7 @@ def test_a_huge_budget_allocates_only_what_a_step_can_hold(demo_snapshot):
 @pytest.mark.parametrize("index", [0, 1])
 @pytest.mark.parametrize("step", ["step10_engine_core", "step11_speculative", "step12_quantized_kv", "here"])
 @pytest.mark.parametrize("part_way", [False, True, "async"])
-def test_aborting_one_choice_before_the_fork(demo_snapshot, step, index, part_way):
+def test_aborting_one_choice_before_the_fork(demo_snapshot, want, step, index, part_way):
     """``abort_request(id, index)`` of a request of 3 choices before they are forked (waiting; in this step
     also part-way through its prompt, its chunk in flight or not): that choice ends, the other two finish
     with the greedy ids, and no block is left in use. Before the fix the aborted choice was forked all the
@@ -488,12 +487,5 @@ def test_aborting_one_choice_before_the_fork(demo_snapshot, step, index, part_wa
         steps += 1
         assert steps < 200
     others = {i: got[i] for i in range(3) if i != index}
-    assert got[index] == [] and all(ids == want_ids(demo_snapshot)[:5] for ids in others.values())
+    assert got[index] == [] and all(ids == want[3][0][:5] for ids in others.values())
     assert engine.stats.num_used_blocks == 0 and engine.scheduler.running == []
-
-
-@functools.cache
-def want_ids(demo_snapshot) -> list[int]:
-    return greedy_ids(
-        step12.LLM(model=str(demo_snapshot), block_size=BLOCK), [PROMPTS[3]], step12.SamplingParams
-    )[0][0]
