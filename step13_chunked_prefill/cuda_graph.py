@@ -5,10 +5,9 @@ Python than the GPU to run; a CUDA graph records them once (stream capture) and 
 (step 7's README has the timings). It replays fixed kernels on fixed addresses, so its inputs live in
 persistent buffers (input_batch.py) and one graph is captured per batch size of a ladder (``capture_sizes``:
 vLLM's, 1, 2, 4, 8, then every ``CAPTURE_STEP``) that a batch is padded up to; lengths and block tables are
-data, so one graph serves every context length. Only decode-only steps replay; the sampler runs outside.
-Graphs are captured largest first into one memory pool and share one logits buffer. Sources: PyTorch's "CUDA
-Graphs" notes; nano-vllm's ``capture_cudagraph``; vLLM's ``CudagraphDispatcher``.
-"""
+data, so one graph serves every context length; step 13: mixed steps too, at token counts (``token_sizes``).
+The sampler runs outside. Graphs are captured largest first into one memory pool and share one logits
+buffer. Sources: PyTorch's "CUDA Graphs" notes; nano-vllm's ``capture_cudagraph``; vLLM's dispatcher."""
 
 from __future__ import annotations
 
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 CAPTURE_STEP = 16  # rungs above 8: every 16 sequences (the padding cost is measured in README.md)
+TOKEN_STEP = 256  # a mixed step's token counts above 256: every 256 tokens
+MAX_GRAPH_TOKENS = 8192  # mixed steps of more tokens run eagerly (their launches cost little beside them)
 
 
 def capture_sizes(max_num_seqs: int, step: int = CAPTURE_STEP) -> list[int]:
@@ -27,6 +28,14 @@ def capture_sizes(max_num_seqs: int, step: int = CAPTURE_STEP) -> list[int]:
     always a rung itself, so that every batch size from 1 to it has a rung at or above it."""
     small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     return small + [b for b in range(step, max_num_seqs, step) if b > 8] + [max_num_seqs]
+
+
+def token_sizes(max_num_tokens: int, step: int = TOKEN_STEP) -> list[int]:
+    """The token counts that get a mixed step's graph: 16, 32 .. 256 (doubling), then every ``step`` up to
+    ``max_num_tokens`` (a rung itself) or ``MAX_GRAPH_TOKENS``, whichever is less."""
+    most = min(max_num_tokens, MAX_GRAPH_TOKENS)
+    small = [t for t in (16, 32, 64, 128, 256) if t < most]
+    return small + [t for t in range(2 * step, most, step) if t > 256] + [most]
 
 
 def padded_size(sizes: list[int], num_seqs: int) -> int:
@@ -52,9 +61,11 @@ class CUDAGraphRunner:
     """One CUDA graph of ``forward`` per batch size of ``sizes``, replayed on demand.
 
     forward(b) -> logits [b, V]: one decode step's forward pass over the first b lanes of the persistent
-    input buffers, which must hold valid inputs (padding lanes) whenever it runs outside a replay.
-    logits: the graphs' shared output [max(sizes), V] in ``dtype``; ``replay(b)`` returns its first b rows
-    (overwritten by the next replay). Raises RuntimeError from ``capture`` if a kernel cannot be captured.
+    input buffers, which must hold valid inputs (padding lanes) whenever it runs outside a replay; with
+    ``rows`` (a mixed step's graphs, b tokens), [rows, V] from every size.
+    logits: the graphs' shared output [max(sizes) or rows, V] in ``dtype``; ``replay(b)`` returns its first
+    b (or rows) rows, overwritten by the next replay. Raises RuntimeError from ``capture`` if a kernel cannot
+    be captured.
     """
 
     def __init__(
@@ -64,8 +75,10 @@ class CUDAGraphRunner:
         vocab_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        rows: int | None = None,
     ):
         self.forward = forward
+        self.rows = rows
         self.sizes = sorted(sizes)
         self.vocab_size, self.dtype, self.device = vocab_size, dtype, device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -80,18 +93,19 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # as each capture does: the difference below is then what the graphs hold
         free_before, started = torch.cuda.mem_get_info(self.device)[0], time.perf_counter()
-        self.logits = torch.empty(max(self.sizes), self.vocab_size, dtype=self.dtype, device=self.device)
+        rows = self.rows or max(self.sizes)
+        self.logits = torch.empty(rows, self.vocab_size, dtype=self.dtype, device=self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for b in self.sizes:
-                self.logits[:b].copy_(self.forward(b))
+                self.logits[: self.rows or b].copy_(self.forward(b))
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[:b].copy_(self.forward(b))  # [b, V]
+                self.logits[: self.rows or b].copy_(self.forward(b))  # [b or rows, V]
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.stats = CaptureStats(
@@ -102,6 +116,7 @@ class CUDAGraphRunner:
         return self.stats
 
     def replay(self, b: int) -> torch.Tensor:
-        """Run the graph of batch size ``b`` (a rung) on the buffers' current contents: logits [b, V]."""
+        """Run the graph of batch size ``b`` (a rung) on the buffers' current contents: logits [b, V] (or
+        [rows, V])."""
         self.graphs[b].replay()
-        return self.logits[:b]
+        return self.logits[: self.rows or b]

@@ -38,7 +38,8 @@ class LLMEngine:
     attention_backend: "triton" or "torch", as ``EngineArgs`` resolved it; the Triton kernels are compiled
     here, on a CUDA device, before the first request. Then, on a CUDA device and unless ``enforce_eager``,
     the decode step is captured in CUDA graphs (``ModelRunner.capture_cudagraphs``), with speculation the
-    uniform verification step and a draft model's decode passes too (draft_model.py), printed on stderr.
+    uniform verification step and a draft model's decode passes too (draft_model.py), with chunked prefill
+    and the Triton kernel the mixed steps (prompts or chunks beside decodes) at token counts; on stderr.
     enable_prefix_caching: full blocks of computed tokens stay in the cache for later requests with the
     same prefix (block_manager.py); off, every prompt is computed whole.
 
@@ -112,6 +113,7 @@ class LLMEngine:
             args.max_num_batched_tokens,
             scratch_block=args.num_kv_blocks,
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else 0,
+            enable_chunked_prefill=args.enable_chunked_prefill,
         )
         draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         if self.attention_backend == "triton" and self.device.type == "cuda":  # compile before any request
@@ -124,12 +126,10 @@ class LLMEngine:
         # the decode step (and the uniform verification, the draft's decode passes) in CUDA graphs, after
         # the warm-up: no compiling in a capture
         if self.device.type == "cuda" and not args.enforce_eager:
-            captured = list(
-                zip(self.model_runner.capture_cudagraphs(), ("batch sizes", "verification, tokens"))
-            )
+            captured = self.model_runner.capture_cudagraphs()
             if draft:
-                captured.append((draft.capture_cudagraphs(), "draft model, batch sizes"))
-            for stats, what in captured:
+                captured.append(("draft model, batch sizes", draft.capture_cudagraphs()))
+            for what, stats in captured:
                 print(
                     f"captured {len(stats.sizes)} CUDA graphs ({what} {', '.join(map(str, stats.sizes))}) "
                     f"in {stats.seconds:.2f} s, {stats.memory_bytes / 2**20:.0f} MiB of GPU memory",

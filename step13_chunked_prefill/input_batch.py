@@ -4,7 +4,8 @@ One int64 buffer, allocated once, holds every input of a step, on the host (pinn
 and on the device, for a CUDA graph replays fixed addresses (vLLM v1's persistent batch). A running sequence
 owns a *row* of a persistent block table, written when it joins and at each new block; per step the host
 writes the lanes' fields, one copy moves them. Padding lanes own nothing (``PADDING_ROW``, the scratch slot;
-q tokens at 0..q - 1, q = 1 + k in a uniform verification, else 1). Shapes: T tokens, R rows, M blocks a row.
+q tokens at 0..q - 1, q = 1 + k in a uniform verification, else 1; in a mixed step padded to a token count,
+none, and the tokens past the lanes' belong to no lane). Shapes: T tokens, R rows, M blocks a row.
 
 Step 8: decode lanes' ids are gathered on the device, ``input_ids[lane] = last_token[rows[lane]]`` (the
 sampler fills ``last_token`` [R + 1] by row); ``prepare`` waits for the last copy's event before writing.
@@ -64,6 +65,7 @@ class InputBatch:
 
     Fields, numpy views into one host buffer (``.np[name]``) and device views into its twin (``.gpu[name]``):
     input_ids, positions, slot_mapping [T]; query_start_loc [R + 1]; seq_lens, rows [R] (lane -> its row);
+    logits_rows [R] (a padded mixed step's sampled tokens, ``write_lanes``);
     block_table [(R + 1) * M], seen as [R + 1, M] through ``block_table_np`` / ``block_table_gpu``.
     ``last_token`` [R + 1]: on the device only, each row's newest sampled token id (the runner writes it).
     ``row_of`` maps a running sequence's id to its row; ``num_blocks[row]`` counts the entries written.
@@ -86,6 +88,7 @@ class InputBatch:
             "query_start_loc": R + 1,
             "seq_lens": R,
             "rows": R,
+            "logits_rows": R,
             "block_table": (R + 1) * M,  # last: a step copies the buffer up to the highest row it uses
         }
         self.buffer = CpuGpuBuffer(sum(sizes.values()), device)
@@ -142,24 +145,28 @@ class InputBatch:
         block_tables: dict[str, list[int]],
         num_lanes: int,
         query_len: int = 1,
+        num_tokens: int | None = None,
     ) -> tuple[int, list[int]]:
         """Write the step's inputs into the host buffer and copy them to the device in one copy.
 
         The lanes are the scheduled sequences in order (prefills, chunks, verifications, decodes), then
         ``num_lanes`` - S padding lanes of ``query_len`` tokens each: 1 in a decode-only step, 1 + k in a
         uniform verification step (every lane a verification of k drafts: the caller's ``is_uniform``).
+        With ``num_tokens`` (a mixed step's graph, no verification): padding lanes of no token, the tokens
+        up to ``num_tokens`` in no lane (scratch slot), each decode's input id written as -1 - its row (the
+        device gathers it from ``last_token``), the sampled tokens' indices in ``logits_rows``.
         Returns the number of new tokens N (padding included) and query_start_loc as a host list
-        [num_lanes + 1]. Raises ValueError if prefills are padded.
+        [num_lanes + 1]. Raises ValueError if prefills are padded without ``num_tokens``.
         """
         S = len(scheduled.seqs)
-        if (scheduled.prefills or scheduled.chunks) and num_lanes != S:
+        if (scheduled.prefills or scheduled.chunks) and num_lanes != S and num_tokens is None:
             raise ValueError(f"num_lanes={num_lanes}: prefills are not padded (S={S})")
         self.buffer.wait_copied()  # the previous step's copy has read the host buffer: it may be written
         self.update_rows(scheduled, block_tables)
-        return self.write_lanes(scheduled, num_lanes, query_len)
+        return self.write_lanes(scheduled, num_lanes, query_len, num_tokens)
 
     def write_lanes(
-        self, scheduled: SchedulerOutput, num_lanes: int, query_len: int = 1
+        self, scheduled: SchedulerOutput, num_lanes: int, query_len: int = 1, num_tokens: int | None = None
     ) -> tuple[int, list[int]]:
         """``prepare`` after the rows are up to date: the per-lane fields, then the one copy."""
         chunks = scheduled.chunks
@@ -188,17 +195,28 @@ class InputBatch:
             f["positions"][t : t + D] = lens - 1
             f["slot_mapping"][t : t + D] = self.block_table_np[rows, (lens - 1) // bs] * bs + (lens - 1) % bs
             f["seq_lens"][P:S], f["rows"][P:S] = lens, rows
+            if num_tokens is not None:  # a mixed step's decode ids: gathered by the graph (-1 - row: which)
+                f["input_ids"][t : t + D] = -1 - rows
         qsl += range(t + 1, t + D + 1)
         t, q = t + D, query_len  # padding lanes: own nothing (a decode's token 0: last_token's row 0)
-        pad = slice(t, t + (num_lanes - S) * q)
+        if num_tokens is None:  # q tokens each
+            pad = slice(t, t + (num_lanes - S) * q)
+            f["positions"][pad] = np.arange(pad.stop - t) % q  # [(num_lanes - S) * q]: 0..q - 1 each
+            f["seq_lens"][S:num_lanes] = q
+            qsl += range(t + q, pad.stop + 1, q)
+        else:  # none; the tokens t .. num_tokens - 1 in no lane (attention leaves them, the rows run on)
+            pad = slice(t, num_tokens)
+            f["positions"][pad], f["seq_lens"][S:num_lanes] = 0, 0
+            qsl += [t] * (num_lanes - S)
+            sampled = self.logits_indices(scheduled, qsl[: S + 1])  # [S - C]
+            f["logits_rows"][:num_lanes] = 0  # padding lanes' rows: token 0, its logits dropped
+            f["logits_rows"][: len(sampled)] = sampled
         f["input_ids"][pad], f["slot_mapping"][pad] = 0, self.scratch_slot
-        f["positions"][pad] = np.arange(pad.stop - t) % q  # [(num_lanes - S) * q]: 0..q - 1 each
-        f["seq_lens"][S:num_lanes], f["rows"][S:num_lanes] = q, PADDING_ROW
-        qsl += range(t + q, pad.stop + 1, q)
+        f["rows"][S:num_lanes] = PADDING_ROW
         f["query_start_loc"][: num_lanes + 1] = qsl
         highest_row = int(f["rows"][:num_lanes].max(initial=PADDING_ROW))
         self.buffer.copy_to_gpu(self.table_offset + (highest_row + 1) * self.max_blocks)
-        return qsl[-1], qsl
+        return pad.stop, qsl
 
     def logits_indices(self, scheduled: SchedulerOutput, query_start_loc: list[int]) -> np.ndarray:
         """The tokens whose logits a step with chunks or verifications (not padded) computes, in the order
@@ -211,7 +229,8 @@ class InputBatch:
         qsl = np.asarray(query_start_loc)  # [S + 1]
         return np.concatenate([qsl[1 : a + 1] - 1, qsl[b + 1 :] - 1, np.arange(qsl[c], qsl[b])])
 
-    def fill_padding(self, num_lanes: int, query_len: int = 1) -> None:
-        """Make every one of ``num_lanes`` lanes a padding lane of ``query_len`` tokens, on the host and the
-        device: the inputs a graph is captured with (its warm-up runs write only the scratch slot)."""
-        self.write_lanes(SchedulerOutput(), num_lanes, query_len)
+    def fill_padding(self, num_lanes: int, query_len: int = 1, num_tokens: int | None = None) -> None:
+        """Make every one of ``num_lanes`` lanes a padding lane of ``query_len`` tokens (or, with
+        ``num_tokens``, of none, the tokens in no lane), on the host and the device: the inputs a graph is
+        captured with (its warm-up runs write only the scratch slot)."""
+        self.write_lanes(SchedulerOutput(), num_lanes, query_len, num_tokens)

@@ -3,7 +3,8 @@
 A step's sequences are one flat batch of new tokens over the paged KV cache (prompts or chunks of them,
 decoding sequences' newest tokens), inputs in persistent buffers copied once per step (input_batch.py). A
 uniform step (decode-only, or every lane a verification of 1 + k tokens) is padded to a rung of the capture
-ladder and replays its CUDA graph (cuda_graph.py), or the same pass eagerly; one with a prompt runs eagerly.
+ladder and replays its CUDA graph (cuda_graph.py), or the same pass eagerly; with chunked prefill and the
+Triton kernel, so does a mixed step (prompts or chunks beside decodes), padded to a token count.
 
 Async scheduling: ``launch`` enqueues a step and returns: the forward, ``sample_on_device``, the ids
 scattered into ``InputBatch.last_token`` (where the next step's decode lanes gather theirs), a non-blocking
@@ -17,7 +18,7 @@ import torch
 from common.tokenizer import Tokenizer
 
 from .block_manager import BlockManager, blocks_for
-from .cuda_graph import CaptureStats, CUDAGraphRunner, capture_sizes, padded_size
+from .cuda_graph import CaptureStats, CUDAGraphRunner, capture_sizes, padded_size, token_sizes
 from .input_batch import InputBatch, is_uniform
 from .kv_cache import PagedKVCache
 from .model import GPT, AttentionMetadata, decode_attention_mask
@@ -26,6 +27,10 @@ from .sampler import sample_on_device, to_host
 from .sampling_params import Logprob, SamplingParams
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+# A padded mixed step's tile (``kernels._attention_config``): the decodes' 16 rows for every lane, so that a
+# decode does not fill one row of a long prompt's tile; chosen by profile (benchmarks/NOTES.md, step 13)
+MIXED_QUERY_LEN = 16
 
 
 class AsyncModelRunnerOutput:
@@ -100,6 +105,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         scratch_block: int,
         num_speculative_tokens: int = 0,
+        enable_chunked_prefill: bool = False,
     ):
         self.attention_backend = attention_backend  # "triton" or "torch"
         self.model = model
@@ -118,6 +124,13 @@ class ModelRunner:
         self.token_index = torch.arange(num_tokens, device=device)  # [T]: a verification's logits rows
         self.graph_runner: CUDAGraphRunner | None = None  # decode steps' graphs, set by capture_cudagraphs
         self.verify_graph_runner: CUDAGraphRunner | None = None  # uniform verification steps' graphs
+        # a mixed step's padded pass (one graph per token count): the Triton kernel reads its lanes through
+        # pointers, so a token count fixes the launch; the torch backend's lanes are host ints
+        self.token_sizes = (
+            token_sizes(most) if enable_chunked_prefill and attention_backend == "triton" else []
+        )
+        self.mixed_lanes = max_num_seqs  # a padded mixed step's lanes: every one a sequence may take
+        self.mixed_graph_runner: CUDAGraphRunner | None = None
         self.num_uniform_verify_steps = 0  # verification steps padded to a rung (replayed or eager)
 
     @torch.inference_mode()
@@ -129,15 +142,23 @@ class ModelRunner:
 
         A uniform step (``is_uniform``: decode-only, or every lane a verification of k drafts) is padded
         to its rung and replays that rung's graph, if captured, or runs the same padded pass eagerly; the
-        padding lanes' logits are dropped. Any other step runs eagerly over its own lanes; a chunk's lane
+        padding lanes' logits are dropped. A mixed step with no verification (prompts or chunks, decodes)
+        of at most ``max(token_sizes)`` tokens is padded to a token count and ``mixed_lanes`` lanes, and
+        likewise replays or runs eagerly. Any other step runs eagerly over its own lanes. A chunk's lane
         gets no logits (it is never sampled)."""
         chunks = scheduled.chunks
         S, P = len(scheduled.seqs), len(scheduled.prefills) + len(chunks) + len(scheduled.verifies)
         query_len = 1 + self.num_speculative_tokens if scheduled.verifies else 1  # each lane's new tokens
         uniform = is_uniform(scheduled, query_len)
-        num_lanes = padded_size(self.capture_sizes, S) if uniform else S
+        num_tokens = scheduled.num_batched_tokens
+        mixed = not uniform and not scheduled.verifies and num_tokens <= max(self.token_sizes, default=0)
+        num_lanes = padded_size(self.capture_sizes, S) if uniform else self.mixed_lanes if mixed else S
         N, query_start_loc = self.input_batch.prepare(
-            scheduled, self.block_manager.block_tables, num_lanes, query_len if uniform else 1
+            scheduled,
+            self.block_manager.block_tables,
+            num_lanes,
+            query_len if uniform else 1,
+            padded_size(self.token_sizes, num_tokens) if mixed else None,
         )  # the step's one host-to-device copy
         graphs = self.verify_graph_runner if scheduled.verifies else self.graph_runner
         if uniform and graphs is not None:
@@ -145,6 +166,9 @@ class ModelRunner:
         elif uniform:  # what the graph would replay, eagerly
             forward = self.verify_forward if scheduled.verifies else self.decode_forward
             logits = forward(num_lanes)[: S * query_len]  # [S * query_len, V]
+        elif mixed:  # the sampled lanes' logits first (``InputBatch.logits_indices``), then padding rows
+            graphs = self.mixed_graph_runner
+            logits = graphs.replay(N) if graphs is not None else self.mixed_forward(N)  # [mixed_lanes, V]
         else:
             width = max(self.input_batch.num_blocks[self.input_batch.np["rows"][:S]])
             rows = None
@@ -166,7 +190,7 @@ class ModelRunner:
             )  # [B, 2]: accepted count, the token after them
             rows = self.input_batch.gpu["rows"][len(scheduled.prefills) + len(chunks) : P]  # [B]
             self.input_batch.last_token.index_copy_(0, rows, verified[:, 1])
-        replayed = uniform and graphs is not None
+        replayed = (uniform or mixed) and graphs is not None
         if not seqs:  # chunks and verifications only: nothing to sample
             nothing = torch.zeros(0, 1, device=self.device)  # [0, 1]
             return AsyncModelRunnerOutput([], nothing, self.tokenizer, scheduled.verifies, verified, replayed)
@@ -200,13 +224,32 @@ class ModelRunner:
         qsl = list(range(0, N + 1, q))  # [num_lanes + 1]
         return self.execute_model(N, num_lanes, num_lanes, qsl, self.max_blocks, self.token_index[:N])
 
+    def mixed_forward(self, num_tokens: int) -> torch.Tensor:
+        """The forward pass of a mixed step padded to ``num_tokens`` tokens and ``mixed_lanes`` lanes
+        (``InputBatch.write_lanes``), block tables at their full width: the function that
+        ``capture_cudagraphs`` captures for mixed steps. Decode ids are gathered from ``last_token`` by the
+        row each one's input id names (-1 - row); every lane is a "prefill" to the kernel. The tile is the
+        short queries' (``MIXED_QUERY_LEN``), for all lanes. [mixed_lanes, V]: the sampled rows first."""
+        ids = self.input_batch.gpu["input_ids"][:num_tokens]  # [num_tokens]
+        ids.copy_(torch.where(ids < 0, self.input_batch.last_token[(-1 - ids).clamp(min=0)], ids))
+        L, rows = self.mixed_lanes, self.input_batch.gpu["logits_rows"][: self.mixed_lanes]
+        qsl = [0] * (L + 1)  # host offsets: unread by the Triton kernel (it reads the device's)
+        return self.execute_model(num_tokens, L, L, qsl, self.max_blocks, rows, MIXED_QUERY_LEN)
+
     def execute_model(
-        self, N: int, S: int, P: int, query_start_loc: list[int], width: int, rows: torch.Tensor | None = None
+        self,
+        N: int,
+        S: int,
+        P: int,
+        query_start_loc: list[int],
+        width: int,
+        rows: torch.Tensor | None = None,
+        max_query_len: int | None = None,
     ) -> torch.Tensor:
         """The forward pass over the first N tokens and S lanes of the device buffers (P prefills and
         verifications first), each lane's block-table row gathered by the device and cut to ``width``
         blocks. Returns [S, V], or with ``rows`` (token indices [R] on the device) the logits of those
-        tokens [R, V]."""
+        tokens [R, V]. ``max_query_len`` (the kernel's tile) defaults to the longest lane's."""
         dev = self.input_batch.gpu
         D = S - P  # decode (and padding) lanes: their input ids, sampled on the device, gathered by row
         dev["input_ids"][N - D : N] = self.input_batch.last_token[dev["rows"][P:S]]  # [D]
@@ -221,7 +264,7 @@ class ModelRunner:
             num_prefills=P,
             seq_lens=seq_lens,
             block_tables=block_tables,
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_query_len=max_query_len or max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             attention_backend=self.attention_backend,
             decode_mask=decode_attention_mask(
                 seq_lens[P:], width * self.kv_cache.block_size, self.kv_cache.dtype
@@ -234,23 +277,33 @@ class ModelRunner:
         )
         return self.model(dev["input_ids"][:N], dev["positions"][:N], self.kv_cache, meta)  # [S, V]
 
-    def capture_cudagraphs(self) -> list[CaptureStats]:
+    def capture_cudagraphs(self) -> list[tuple[str, CaptureStats]]:
         """Capture ``decode_forward`` at every batch size of the ladder (CUDA only); from now on decode-only
         steps replay. With speculation and the Triton backend, ``verify_forward`` too, in a second runner
         whose sizes count tokens (rung * (1 + k)); from now on uniform verification steps replay (vLLM
         captures FULL graphs of "uniform decode" batches of query length 1 + k: cudagraph_dispatcher.py).
-        The torch backend's prefill attention reads host lengths, so with it verification stays eager.
-        Returns each runner's stats: the graphs' sizes, capture time and memory."""
+        With chunked prefill and the Triton backend, ``mixed_forward`` at every count of ``token_sizes``.
+        The torch backend's prefill attention reads host lengths, so with it those stay eager.
+        Returns each runner's (what it captured, stats): the graphs' sizes, capture time and memory."""
         B, q = max(self.capture_sizes), 1 + self.num_speculative_tokens
         V, dtype = self.model.config.vocab_size, self.kv_cache.dtype
         self.input_batch.fill_padding(B)  # warm-ups write the scratch slot only
         self.graph_runner = CUDAGraphRunner(self.decode_forward, self.capture_sizes, V, dtype, self.device)
-        stats = [self.graph_runner.capture()]
+        stats = [("batch sizes", self.graph_runner.capture())]
         if q > 1 and self.attention_backend == "triton":
             self.input_batch.fill_padding(B, q)  # every lane a padding lane of q tokens
             sizes = [b * q for b in self.capture_sizes]  # tokens; the logits buffer is [B * q, V]
             self.verify_graph_runner = CUDAGraphRunner(
                 lambda n: self.verify_forward(n // q), sizes, V, dtype, self.device
             )
-            stats.append(self.verify_graph_runner.capture())
+            stats.append(("verification, tokens", self.verify_graph_runner.capture()))
+        if self.token_sizes:
+            L = self.mixed_lanes
+            self.input_batch.fill_padding(
+                L, num_tokens=max(self.token_sizes)
+            )  # lanes of none, tokens of no lane
+            self.mixed_graph_runner = CUDAGraphRunner(
+                self.mixed_forward, self.token_sizes, V, dtype, self.device, L
+            )
+            stats.append(("mixed steps, tokens", self.mixed_graph_runner.capture()))
         return stats

@@ -422,6 +422,28 @@ def test_a_prompt_longer_than_the_budget_is_chunked_not_refused(demo_snapshot):
     assert llm.stats.num_steps >= 400 // 16
 
 
+@pytest.mark.parametrize("budget, threshold, kv_cache_dtype", [(16, 7, "auto"), (37, None, "int8")])
+def test_a_mixed_step_padded_to_a_token_count_says_the_same(
+    demo_snapshot, want, budget, threshold, kv_cache_dtype
+):
+    """The pass a mixed step's CUDA graph captures, run eagerly through the Triton interpreter: padded to a
+    token count (tokens in no lane) and to ``mixed_lanes`` lanes (lanes of no token), decode ids gathered on
+    the device, async scheduling. The same ids as step 12 (the int8 pool: as step 13's own unpadded run)."""
+    prompts, want = [PROMPTS[i] for i in (1, 2, 4, 5)], [want[i] for i in (1, 2, 4, 5)]
+    args = dict(
+        attention_backend="triton", max_num_seqs=4, async_scheduling=True, kv_cache_dtype=kv_cache_dtype
+    )
+    llm = chunked(demo_snapshot, budget, threshold, **args)
+    runner, padded = llm.engine.model_runner, []
+    forward = runner.mixed_forward
+    runner.mixed_forward = lambda num_tokens: padded.append(num_tokens) or forward(num_tokens)
+    if kv_cache_dtype == "int8":
+        unpadded = chunked(demo_snapshot, 10**6, kv_cache_dtype="int8", enable_chunked_prefill=False)
+        want = greedy_ids(unpadded, prompts)
+    assert greedy_ids(llm, prompts) == want
+    assert runner.token_sizes[-1] == budget and padded and set(padded) <= set(runner.token_sizes)
+
+
 # ---- on a GPU: `pytest -m gpu step13_chunked_prefill` (skipped without CUDA) -------------------------------
 
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -433,18 +455,19 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA 
 @pytest.mark.parametrize("budget, threshold", [(16, 7), (64, None), (512, 64)])
 def test_gpu_chunks_beside_graph_replayed_decodes(demo_snapshot, dtype, budget, threshold):
     """CUDA graphs, async scheduling and the Triton kernels: the same ids as chunking off (fp32; fp16 too,
-    the batches' compositions differ but each lane's arithmetic does not), and the steps with a prompt or a
-    chunk in them, and only those, run eagerly: decode-only steps still replay their graphs."""
+    the batches' compositions differ but each lane's arithmetic does not), and every step replays a graph:
+    decode-only steps their batch size's, steps with a prompt or a chunk their token count's; chunking off,
+    those run eagerly (step 12's)."""
     args = dict(model=str(demo_snapshot), device="cuda", dtype=dtype, block_size=16)
     off = LLM(**args, enable_chunked_prefill=False)
     on = LLM(**args, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold)
     params = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
     want = greedy_ids(off, **params)
     assert greedy_ids(on, **params) == want
-    stats = on.stats
-    assert on.engine.model_runner.graph_runner is not None
-    assert 0 < stats.num_eager_steps < stats.num_steps
-    assert stats.num_steps - stats.num_eager_steps >= MAX_TOKENS - 4  # the decode-only steps replayed
+    stats, runner = on.stats, on.engine.model_runner
+    assert runner.graph_runner is not None and runner.mixed_graph_runner is not None
+    assert stats.num_eager_steps == 0 and stats.num_steps >= MAX_TOKENS
+    assert off.engine.model_runner.mixed_graph_runner is None and off.stats.num_eager_steps > 0
 
 
 def test_a_huge_budget_allocates_only_what_a_step_can_hold(demo_snapshot):

@@ -191,13 +191,13 @@ UNCHANGED_FROM_PREVIOUS = {
         "static/index.html",
     ],
     # step 13 chunks prompts under one token budget: the scheduler, the block manager's fork and chunk runs,
-    # the runner's and input batch's chunk lanes, the arguments (config.py), the stats and metrics change;
-    # the model, kernels, pool, speculation, sampling and the server stay
+    # the runner's and input batch's chunk lanes and mixed steps' graphs (cuda_graph.py), the arguments
+    # (config.py), the stats and metrics change; the model, kernels, pool, speculation, sampling and the
+    # server stay
     "step13_chunked_prefill": [
         "__main__.py",
         "api_server.py",
         "core_client.py",
-        "cuda_graph.py",
         "draft_model.py",
         "kernels.py",
         "kv_cache.py",
