@@ -4,11 +4,10 @@ One int64 buffer, allocated once, holds every input of a step, on the host (pinn
 and on the device, for a CUDA graph replays fixed addresses (vLLM v1's persistent batch). A running sequence
 owns a *row* of a persistent block table, written when it joins and at each new block; per step the host
 writes the lanes' fields, one copy moves them. Padding lanes own nothing (``PADDING_ROW``, the scratch slot;
-q tokens at 0..q - 1, q = 1 + k in a uniform verification, else 1; in a mixed step padded to a token count,
-none, and the tokens past the lanes' belong to no lane). Shapes: T tokens, R rows, M blocks a row.
-
-Step 8: decode lanes' ids are gathered on the device, ``input_ids[lane] = last_token[rows[lane]]`` (the
-sampler fills ``last_token`` [R + 1] by row); ``prepare`` waits for the last copy's event before writing.
+q tokens at 0..q - 1, q = 1 + k in a uniform verification, else 1; none in a mixed step padded to a token
+count, whose last tokens are in no lane). Shapes: T tokens, R rows, M blocks a row. Step 8: decode lanes'
+ids are gathered on the device, ``input_ids[lane] = last_token[rows[lane]]`` (the sampler fills
+``last_token`` [R + 1] by row); ``prepare`` waits for the last copy's event before writing.
 """
 
 from __future__ import annotations
