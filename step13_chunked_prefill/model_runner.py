@@ -4,9 +4,10 @@ A step's sequences are one flat batch of new tokens over the paged KV cache (pro
 decoding sequences' newest tokens), inputs in persistent buffers copied once per step (input_batch.py). A
 uniform step (decode-only, or every lane a verification of 1 + k tokens) is padded to a rung of the capture
 ladder and replays its CUDA graph (cuda_graph.py), or the same pass eagerly; with chunked prefill and the
-Triton kernel, so does a mixed step (prompts or chunks beside decodes), padded to a token count. Async scheduling: ``launch`` enqueues a step and returns: the forward, ``sample_on_device``, the ids
-scattered into ``InputBatch.last_token`` (where the next step's decode lanes gather theirs), a non-blocking
-copy to pinned memory and its event, awaited by ``AsyncModelRunnerOutput.get_output`` (vLLM's names).
+Triton kernel, so does a mixed step (prompts or chunks beside decodes), padded to a token count. Async
+scheduling: ``launch`` enqueues a step and returns: the forward, ``sample_on_device``, the ids scattered
+into ``InputBatch.last_token`` (where the next step's decode lanes gather theirs), a non-blocking copy to
+pinned memory and its event, awaited by ``AsyncModelRunnerOutput.get_output`` (vLLM's names).
 """
 
 from __future__ import annotations
