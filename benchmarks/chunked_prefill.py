@@ -301,12 +301,10 @@ def burst_run(engine, module, run: int, vocab_size: int, sizes: dict) -> dict:
     finished; the figures of the module's docstring (ms, tok/s)."""
     n_burst, burst_len, burst_tokens = sizes["burst"]
     running = start_running(engine, module, run, vocab_size, sizes["running"])
+    new = prompts(run, n_burst, burst_len, vocab_size, salt=1)  # made before the clock starts
     before = steps_counted(engine)
     arrival = time.perf_counter()
-    burst = [
-        add(engine, module, f"b{i}", p, burst_tokens)
-        for i, p in enumerate(prompts(run, n_burst, burst_len, vocab_size, salt=1))
-    ]
+    burst = [add(engine, module, f"b{i}", p, burst_tokens) for i, p in enumerate(new)]
     while any(not s.metrics.token_times for s in burst):
         engine.step()
     prefilled = max(s.metrics.token_times[0] for s in burst)
