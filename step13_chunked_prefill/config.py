@@ -24,8 +24,8 @@ from .spec_decode import SpeculativeConfig, check_draft
 # would share its cores); set from the H200 measurement of LLM.generate: not faster there (step 10's README)
 MULTIPROCESSING_ON_CUDA = False
 # the token budget of a step with chunked prefill on, by device type (step 13's README, benchmarks/
-# chunked_prefill.py): on a CPU the smallest measured budget whose burst was prefilled within 1.5x of step
-# 12's time; on CUDA provisional, until the GPU run of that benchmark chooses it by the same rule
+# chunked_prefill.py): the smallest measured budget whose burst was prefilled within 1.5x of step 12's time
+# (a CPU: 512 of 128-512, 1.34x; an H100: 2,048 of 512-2,048, 0.94x, where 1,024 took 1.65x)
 DEFAULT_TOKEN_BUDGET = {"cuda": 2048, "cpu": 512}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
