@@ -429,7 +429,8 @@ def test_a_mixed_step_padded_to_a_token_count_says_the_same(
     """The pass a mixed step's CUDA graph captures, run eagerly through the Triton interpreter: padded to a
     token count (tokens in no lane) and to ``mixed_lanes`` lanes (lanes of no token), decode ids gathered on
     the device, async scheduling. The same ids as step 12 (the int8 pool: as step 13's own unpadded run)."""
-    prompts, want = [PROMPTS[i] for i in (1, 2, 4, 5)], [want[i] for i in (1, 2, 4, 5)]
+    prompts = [PROMPTS[i] for i in (1, 2, 4, 5)]
+    want = [[ids[:8] for ids in want[i]] for i in (1, 2, 4, 5)]  # 8 tokens: the interpreter is slow
     args = dict(
         attention_backend="triton", max_num_seqs=4, async_scheduling=True, kv_cache_dtype=kv_cache_dtype
     )
@@ -439,8 +440,8 @@ def test_a_mixed_step_padded_to_a_token_count_says_the_same(
     runner.mixed_forward = lambda num_tokens: padded.append(num_tokens) or forward(num_tokens)
     if kv_cache_dtype == "int8":
         unpadded = chunked(demo_snapshot, 10**6, kv_cache_dtype="int8", enable_chunked_prefill=False)
-        want = greedy_ids(unpadded, prompts)
-    assert greedy_ids(llm, prompts) == want
+        want = greedy_ids(unpadded, prompts, max_tokens=8)
+    assert greedy_ids(llm, prompts, max_tokens=8) == want
     assert runner.token_sizes[-1] == budget and padded and set(padded) <= set(runner.token_sizes)
 
 
