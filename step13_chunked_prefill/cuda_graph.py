@@ -99,13 +99,13 @@ class CUDAGraphRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for b in self.sizes:
-                self.logits[: self.rows or b].copy_(self.forward(b))
+                self.output(b).copy_(self.forward(b))
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[: self.rows or b].copy_(self.forward(b))  # [b or rows, V]
+                self.output(b).copy_(self.forward(b))  # [b or rows, V]
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.stats = CaptureStats(
@@ -119,4 +119,8 @@ class CUDAGraphRunner:
         """Run the graph of batch size ``b`` (a rung) on the buffers' current contents: logits [b, V] (or
         [rows, V])."""
         self.graphs[b].replay()
+        return self.output(b)
+
+    def output(self, b: int) -> torch.Tensor:
+        """The logits rows of the graph of size ``b``: the first b, or ``rows``."""
         return self.logits[: self.rows or b]

@@ -149,8 +149,8 @@ class ModelRunner:
         S, P = len(scheduled.seqs), len(scheduled.prefills) + len(chunks) + len(scheduled.verifies)
         query_len = 1 + self.num_speculative_tokens if scheduled.verifies else 1  # each lane's new tokens
         uniform = is_uniform(scheduled, query_len)
-        num_tokens = scheduled.num_batched_tokens
-        mixed = not uniform and not scheduled.verifies and num_tokens <= max(self.token_sizes, default=0)
+        num_tokens = 0 if uniform or scheduled.verifies else scheduled.num_batched_tokens  # a mixed step's
+        mixed = 0 < num_tokens <= max(self.token_sizes, default=0)
         num_lanes = padded_size(self.capture_sizes, S) if uniform else self.mixed_lanes if mixed else S
         N, query_start_loc = self.input_batch.prepare(
             scheduled,
@@ -297,12 +297,9 @@ class ModelRunner:
             )
             stats.append(("verification, tokens", self.verify_graph_runner.capture()))
         if self.token_sizes:
-            L = self.mixed_lanes
-            self.input_batch.fill_padding(
-                L, num_tokens=max(self.token_sizes)
-            )  # lanes of none, tokens of no lane
-            self.mixed_graph_runner = CUDAGraphRunner(
-                self.mixed_forward, self.token_sizes, V, dtype, self.device, L
-            )
-            stats.append(("mixed steps, tokens", self.mixed_graph_runner.capture()))
+            L = self.mixed_lanes  # every lane of no token, every token in no lane:
+            self.input_batch.fill_padding(L, num_tokens=max(self.token_sizes))
+            runner = CUDAGraphRunner(self.mixed_forward, self.token_sizes, V, dtype, self.device, L)
+            self.mixed_graph_runner = runner
+            stats.append(("mixed steps, tokens", runner.capture()))
         return stats
