@@ -43,6 +43,7 @@ POINTS = {
 }
 QUICK_POINTS = {"batch 1": (1, 8, 8, 1), "batch 4": (4, 8, 8, 1)}
 SLOW_ENGINES_RUNS = 3  # steps 5 and 6 (no CUDA graphs: several times slower): the first 3 runs at batch 256
+POOLS_SHARE = 0.6  # of the GPU's memory, for every engine's KV pool at once; the newest steps that fit run
 PROFILE = {"point": "batch 256", "top": 25}  # cProfile of one generate call per step, after the runs
 
 
@@ -107,6 +108,8 @@ def run(
             "timing": "LLM.generate calls back to back, the device synchronised; one untimed run per engine "
             "first; engines alternated, the order rotated per run; steps 5 and 6 in the first "
             f"{SLOW_ENGINES_RUNS} runs only at batch 256; ratios are medians of per-run ratios",
+            "memory": f"the newest steps whose KV pools fit together in {POOLS_SHARE} of the GPU's memory "
+            "(at 256 x (512 + 256) a pool is 7 GiB in fp16): the oldest leave such a point first",
             "gc": "every engine built, then gc.freeze(): a collection over the engines' objects would land "
             "on whichever engine runs then",
             "quick": quick,
@@ -148,7 +151,7 @@ def bench_model(
         )
         llms = {
             step: module.LLM(model=str(folder), device=device, dtype=dtype, **size)
-            for step, module in modules.items()
+            for step, module in fitting(modules, config, device, dtype, size["num_kv_blocks"]).items()
         }
         gc.collect()
         gc.freeze()
@@ -169,6 +172,31 @@ def bench_model(
         del llms
         harness.free(device)
     return out
+
+
+def fitting(modules: dict, config, device: str, dtype: str, num_kv_blocks: int) -> dict:
+    """The newest steps whose KV pools of ``num_kv_blocks`` blocks fit in ``POOLS_SHARE`` of the GPU's
+    memory together (a pool for 256 x 768 tokens is 7 GiB in fp16 on GPT-2 124M, and every step holds
+    one): the oldest steps leave such a point first. Every step on a CPU."""
+    if not device.startswith("cuda"):
+        return modules
+    pool = (
+        2
+        * config.n_layer
+        * num_kv_blocks
+        * BLOCK_SIZE
+        * config.n_embd
+        * torch.finfo(getattr(torch, dtype)).bits
+        // 8
+    )
+    room = int(POOLS_SHARE * torch.cuda.get_device_properties(device).total_memory) // pool
+    kept = dict(list(modules.items())[-max(room, 2) :])
+    if len(kept) < len(modules):
+        print(
+            f"  {len(modules) - len(kept)} oldest step(s) left out: {room} pools of {pool / 2**30:.1f} GiB "
+            "fit"
+        )
+    return kept
 
 
 def prompts_for(run: int, b: int, p: int, vocab_size: int, calls: int) -> list[list[list[int]]]:
@@ -286,6 +314,12 @@ def summary_line(point: dict) -> str:
 TARGET = ">= 0.97"
 
 
+def ratio_of(point: dict, label: str) -> float | None:
+    """A point's median ratio for ``label``, None where one of its steps did not run there."""
+    ratio = point["ratios"].get(label)
+    return None if ratio is None else ratio["median"]
+
+
 def report(result: dict) -> str:
     lines = []
     for name, model in result["models"].items():
@@ -308,11 +342,11 @@ def report(result: dict) -> str:
         ratio_rows = []
         labels = [label for label in next(iter(points.values()))["ratios"] if not label.endswith("hf_static")]
         for label in labels:
-            ratio_rows.append([label, *(point["ratios"][label]["median"] for point in points.values())])
+            ratio_rows.append([label, *(ratio_of(point, label) for point in points.values())])
         lines.append(harness.table(["step / the one before", *points], ratio_rows))
         full = not result["workload"]["quick"]
         for label in labels:
-            worst = min(point["ratios"][label]["median"] for point in points.values())
+            worst = min(r for point in points.values() if (r := ratio_of(point, label)) is not None)
             lines.append(
                 harness.target_line(f"{label}, the lowest of the points", worst, TARGET, full_size=full)
             )
@@ -349,11 +383,12 @@ def plot(result: dict, path: Path) -> Path:
             ax.set_title(f"{name}: {point_name}", fontsize=9)
             ax.set_ylabel("tok/s (median)")
         ax = fig.add_subplot(grid[2 * m + 1, :])
+        first = next(iter(model["points"].values()))
+        labels = [label for label in first["ratios"] if not label.endswith("hf_static")]
         for i, (point_name, point) in enumerate(model["points"].items()):
-            labels = [label for label in point["ratios"] if not label.endswith("hf_static")]
             ax.plot(
                 range(len(labels)),
-                [point["ratios"][label]["median"] for label in labels],
+                [ratio_of(point, label) or float("nan") for label in labels],
                 "o-",
                 label=point_name,
                 color=f"C{i}",
