@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -759,7 +760,6 @@ def test_frontend_alone_and_a_profile_split_by_category(tmp_path):
     """engine_core's --profile-frontend parts: step 10's frontend over the synthetic core (every request
     gets its tokens, one output per choice for the steps waiting), and a profile's own time put in
     categories, builtins by their callers."""
-    from types import SimpleNamespace
 
     from benchmarks import engine_core
     from benchmarks.lib import profiled
@@ -839,3 +839,19 @@ def test_front_door_lists_every_benchmark_with_its_quick_command():
         flags=re.M,
     )
     assert [(name, step) for step, name, _ in rows] == [(n, s) for n, (_, s, _) in BENCHMARKS.items()]
+
+
+def test_ladder_leaves_the_oldest_steps_out_of_a_point_whose_pools_do_not_fit(monkeypatch):
+    """Every step holds a KV pool for the whole point: where they do not fit in ``POOLS_SHARE`` of the GPU's
+    memory together, the newest steps that fit run (the rule is held between neighbours), at least two;
+    on a CPU every step."""
+    modules = {f"step{n}": object() for n in range(5, 14)}
+    config = SimpleNamespace(n_layer=12, n_embd=768)
+    pool = 2 * 12 * 256 * 48 * 16 * 768 * 2  # fp16: 6.75 GiB
+    memory = SimpleNamespace(total_memory=int(7.5 * pool / ladder.POOLS_SHARE))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: memory)
+    fits = ladder.fitting(modules, config, "cuda", "float16", 256 * 48)
+    assert list(fits) == [f"step{n}" for n in range(7, 14)]
+    assert list(ladder.fitting(modules, config, "cuda", "float16", 48)) == list(modules)
+    assert list(ladder.fitting(modules, config, "cuda", "float32", 256 * 48 * 8)) == ["step12", "step13"]
+    assert ladder.fitting(modules, config, "cpu", "float32", 10**9) is modules
