@@ -89,6 +89,11 @@ BENCHMARKS = {
         "13",
         "what chunked prefill buys running streams under a burst and Poisson arrivals, what it costs (vs 12)",
     ),
+    "data_parallel": (
+        "benchmarks.data_parallel",
+        "14",
+        "N frontends and M engine cores behind one port: tok/s, TTFT, ITL at 16-512 streams vs in process",
+    ),
     "ladder": (
         "benchmarks.ladder",
         "5-13",

@@ -221,6 +221,39 @@ UNCHANGED_FROM_PREVIOUS = {
         "spec_decode.py",
         "static/index.html",
     ],
+    # step 14 runs several engine cores and several frontends: the cores' processes and their sockets
+    # (core_client.py, engine_core.py, the new coordinator.py), the wire (messages.py: the client's index,
+    # the core's, the loads), the argument (config.py), the server's launcher (__main__.py), its figures by
+    # core (async_engine.py, api_server.py, metrics.py) and LLM's (llm.py) change; the engine stays
+    "step14_data_parallel": [
+        "block_manager.py",
+        "cuda_graph.py",
+        "draft_model.py",
+        "engine.py",
+        "input_batch.py",
+        "kernels.py",
+        "kv_cache.py",
+        "kv_quant.py",
+        "kv_write.py",
+        "model.py",
+        "model_runner.py",
+        "ngram_proposer.py",
+        "output_processor.py",
+        "outputs.py",
+        "parallel_sampling.py",
+        "processor.py",
+        "protocol.py",
+        "rejection_sampler.py",
+        "sampler.py",
+        "sampling_params.py",
+        "scheduler.py",
+        "sequence.py",
+        "serving_chat.py",
+        "serving_completion.py",
+        "serving_engine.py",
+        "spec_decode.py",
+        "static/index.html",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
@@ -232,6 +265,7 @@ MECHANISM_TESTS = {
     "step11_speculative": "test_speculative.py",
     "step12_quantized_kv": "test_quantized_kv.py",
     "step13_chunked_prefill": "test_chunked_prefill.py",
+    "step14_data_parallel": "test_data_parallel.py",
 }
 # One file per serving concept, named alike in every generating step (the root README's Layout), so that a
 # diff lands in the file named for its mechanism.
@@ -264,6 +298,7 @@ def test_layout():
         "step11_speculative",
         "step12_quantized_kv",
         "step13_chunked_prefill",
+        "step14_data_parallel",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):

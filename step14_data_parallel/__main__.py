@@ -1,0 +1,428 @@
+"""The command line: serve the engine over HTTP with OpenAI's API, the engine cores in processes of their own.
+
+    python -m <step> --model demo            # http://127.0.0.1:8000, the web page at /
+    python -m <step> --model gpt2 --device cuda --dtype float16 --port 8080
+    python -m <step> --api-server-count 4 --data-parallel-size 2   # 4 frontends, 2 cores, one port
+
+Run it from the repository root; `--help` lists every option with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+try:  # torch and the web stack load here: Ctrl-C meanwhile exits quietly with 130, as later in the start-up
+    import uvicorn
+
+    from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
+    from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown, describe_features
+    from .config import EngineArgs
+    from .core_client import Addresses, AsyncMPClient, EngineCoreProcs, tell_dead
+except KeyboardInterrupt:
+    print(file=sys.stderr)
+    sys.exit(130)
+
+DEFAULT_GRACE_S = 2.0  # after a signal, how long open requests may take to finish before they are ended
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line on stderr, exit status 2 (argparse prints the usage too)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default where it has one (not None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line's flags: the server's, then the engine's (``EngineArgs.add_cli_args``); --help
+    shows each one's default."""
+    parser = _Parser(
+        prog=f"python -m {__package__}",
+        description="Serve the engine over OpenAI's HTTP API, with a web page at /.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/ requests (default: none, open)",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="waiting requests beyond which new ones get 429; a request that alone makes more engine "
+        "requests gets 400",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="a stream's event every N tokens of a choice, the first at once (vLLM's name; 1: every token)",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body accepted"
+    )
+    parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="after Ctrl-C or SIGTERM, how long open requests may run on before each is ended with an "
+        "error event",
+    )
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="frontend processes (HTTP, tokenizer, detokenizer) sharing the one listening socket (vLLM's "
+        "name); each sends its requests to every engine core",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (info logs every request)",
+    )
+    EngineArgs.add_cli_args(parser)  # --model, --device, --dtype, ...: the engine's arguments
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: bad flags and limits that admit nothing exit with status 2."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
+    if args.max_waiting_requests < 1:  # refused here, before the model loads (the engine's: by their flags)
+        parser.error(
+            f"argument --max-waiting-requests: must be >= 1 ({args.max_waiting_requests} admits none)"
+        )
+    if args.api_server_count < 1:
+        parser.error(f"argument --api-server-count: must be >= 1, not {args.api_server_count}")
+    if args.stream_interval < 1:
+        parser.error(f"argument --stream-interval: must be >= 1, not {args.stream_interval}")
+    if args.multiprocessing is False:
+        parser.error("argument --no-multiprocessing: the server runs the engine core in a process of its own")
+    if not args.timeout_graceful_shutdown >= 0:
+        parser.error("argument --timeout-graceful-shutdown: must be >= 0 seconds")
+    if args.max_body_bytes < len(SMALLEST_BODY):
+        parser.error(
+            f"argument --max-body-bytes: must be >= {len(SMALLEST_BODY)}, the size of the smallest "
+            f"request ({SMALLEST_BODY.decode()})"
+        )
+    return args
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening: a client that connects after the URL is printed but
+    before uvicorn accepts waits in the backlog instead of being refused. Raises OSError naming the port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"port {port} on {host} is already in use: choose another with --port (0: any free port)"
+            ) from None
+        raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
+    sock.listen()  # uvicorn calls listen again with its own backlog
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a shutdown that ends open streams cleanly, and an exit when the engine dies.
+
+    On SIGINT or SIGTERM uvicorn stops accepting connections; open requests then have ``grace`` seconds
+    to finish, after which each one still open is ended (``AsyncEngine.end_streams``): a stream with an
+    OpenAI-style error event and ``data: [DONE]``, a whole answer with 503, and its engine requests are
+    aborted. A second signal ends them at once. The signal is not raised again afterwards (uvicorn does,
+    which turns SIGTERM into a kill): a signal is how this server is meant to stop. If the engine core
+    dies, the open streams have already ended with an error event (async_engine.py), and the server stops
+    at once (``engine_died``).
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+        self.signals: list[int] = []
+        self.ended = 0  # open requests ended by the shutdown
+        self.engine_died = False
+        engine.on_dead = self.on_engine_dead
+
+    def on_engine_dead(self) -> None:
+        self.engine_died = True
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        ending = asyncio.ensure_future(self._end_streams_after_grace())
+        try:
+            await super().shutdown(sockets)  # stop accepting, then wait for the open requests
+        finally:
+            ending.cancel()
+
+    async def _end_streams_after_grace(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and len(self.signals) < 2:
+            await asyncio.sleep(0.05)
+        self.ended = self.engine.end_streams(ServerShuttingDown("the server is shutting down"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m <step>``: bind the port, start the engine core process (it loads the model), print the
+    page's URL and a curl line, serve.
+
+    Exit status: 0 after a clean shutdown (Ctrl-C or SIGTERM: see ``Server``), 1 if the engine core died
+    while serving, 2 on bad flags or a model/port that cannot be used, or an engine core that failed to
+    start (one line on stderr), 130 after a second Ctrl-C.
+    """
+    args = parse_args(argv)
+    try:
+        sock = bind(args.host, args.port)  # first: a busy port is reported before a model loads for nothing
+        engine_args = EngineArgs.from_cli_args(args)
+        if args.api_server_count > 1:
+            return Launcher(args, engine_args, sock).run()
+        engine_core = AsyncMPClient(engine_args)
+    except (ValueError, TypeError, ConnectionError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
+    return serve(args, sock, engine_core)
+
+
+def serve(
+    args: argparse.Namespace, sock: socket.socket, engine_core: AsyncMPClient, quiet: bool = False
+) -> int:
+    """Serve on ``sock`` until a signal or the cores' death; the exit status of ``main``. quiet: print
+    nothing at start (a frontend of several: the launcher says it once)."""
+    name = args.served_model_name or args.model
+    app = build_app(
+        engine_core,
+        name,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes,
+        model_root=str(args.model),
+        stream_interval=args.stream_interval,
+    )
+    if not quiet:
+        announce(args, sock, app.state.server.engine.features, engine_core.pids, engine_core.socket_dir)
+    engine = app.state.server.engine
+    grace = args.timeout_graceful_shutdown
+    # uvicorn's own timeout is only a safety net: the streams are ended after the grace period
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 5)
+    server = Server(config, engine, grace)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine_core.shutdown()  # the app stopped it already, unless uvicorn never started
+    if server.engine_died:
+        print(f"error: {engine.error}; the server stops (exit status 1)", file=sys.stderr, flush=True)
+        return 1
+    if server.signals:
+        print(
+            f"shut down on {signal.Signals(server.signals[0]).name}: {server.ended} open "
+            f"request{'' if server.ended == 1 else 's'} ended with an error, "
+            f"{engine.stats.num_used_blocks} KV blocks in use",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 130 if len(server.signals) > 1 else 0
+
+
+def announce(args, sock: socket.socket, features: dict, core_pids: list[int], socket_dir: str) -> None:
+    """The start-up lines: the URL, how the engine runs, the core processes, a curl line to try."""
+    name = args.served_model_name or args.model
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    print(f"serving {name} on {url}  (web page: {url}/ , metrics: {url}/metrics)", flush=True)
+    print(f"engine: {describe_features(features)}", flush=True)
+    cores = ", ".join(map(str, core_pids))
+    print(f"engine core{'s' if len(core_pids) > 1 else ''}: pid {cores}, sockets in {socket_dir}", flush=True)
+    print(
+        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',
+        flush=True,
+    )
+
+
+class Launcher:
+    """Several frontends (``--api-server-count N``): this process binds the port once, starts the engine
+    cores and the coordinator (``EngineCoreProcs``) and N frontend processes that inherit the listening
+    socket (the kernel hands each connection to one of them: no port race, vllm #40443), prints the URL
+    once every frontend is ready, and watches them all: a core that dies is told to every frontend (its
+    streams end with an error event, ``/health`` 503, it exits 1); a frontend that exits stops the rest;
+    SIGINT or SIGTERM is passed to the frontends (each ends its streams after the grace period), then the
+    cores stop. Exit status: 0 after a signal, 1 if a core or frontend died, 2 if one failed to start.
+    Prometheus's multiprocess directory and the socket directory are removed at exit."""
+
+    def __init__(self, args: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket):
+        self.args, self.engine_args, self.sock = args, engine_args, sock
+        self.count = args.api_server_count
+        self.socket_dir = tempfile.mkdtemp(prefix="engine-core-")  # mode 0700
+        self.metrics_dir = tempfile.mkdtemp(prefix="metrics-")
+        self.events: list[str] = []  # why to stop: a signal's name, or a death
+        self.wake = threading.Event()
+        self.frontends: list[subprocess.Popen] = []
+        self.procs: EngineCoreProcs | None = None
+
+    def stop_on(self, why: str) -> None:
+        self.events.append(why)
+        self.wake.set()
+
+    def run(self) -> int:
+        previous = {
+            s: signal.signal(s, lambda n, f: self.stop_on(signal.Signals(n).name))
+            for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            return self._run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            _stop_all(self.frontends)
+            if self.procs is not None:
+                self.procs.shutdown()
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def _run(self) -> int:
+        self.procs = EngineCoreProcs(self.engine_args, self.count, self.socket_dir)
+        outputs = [Addresses(self.socket_dir).output(j) for j in range(self.count)]
+        self.procs.watch(lambda message: tell_dead(outputs, message))  # the frontends then exit 1
+        ready_r, ready_w = os.pipe()
+        fd = self.sock.fileno()
+        env = {**self.procs.env, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
+        code = f"import sys; from {__package__}.__main__ import frontend_main; sys.exit(frontend_main())"
+        for j in range(self.count):
+            hidden = ["--frontend", f"{j},{self.count},{self.engine_args.data_parallel_size}"]
+            hidden += ["--frontend-fds", f"{fd},{ready_w}", "--socket-dir", self.socket_dir]
+            self.frontends.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, *sys.argv[1:], *hidden],
+                    env=env,
+                    pass_fds=(fd, ready_w),
+                    start_new_session=True,
+                )
+            )
+        os.close(ready_w)
+        for j, proc in enumerate(self.frontends):
+            threading.Thread(target=self._watch, args=(j, proc), daemon=True).start()
+        ready = 0
+        while ready < self.count and not self.events:  # each frontend writes one byte once it serves
+            if select.select([ready_r], [], [], 0.1)[0]:
+                ready += len(os.read(ready_r, self.count)) or self.count  # EOF: every frontend is gone
+        os.close(ready_r)
+        if not self.events:
+            features = {"data_parallel_size": self.engine_args.data_parallel_size, "api_servers": self.count}
+            cores = [p.pid for p, name in zip(self.procs.procs, self.procs.names) if name != "coordinator"]
+            announce(self.args, self.sock, features, cores, self.socket_dir)
+            print(f"api servers: pid {', '.join(str(p.pid) for p in self.frontends)}", flush=True)
+        while not self.wake.wait(0.5):
+            pass
+        why = self.events[0]
+        for proc in self.frontends:  # each ends its open streams (after the grace period on a signal)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.frontends:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(self.args.timeout_graceful_shutdown + 10)
+        if why in ("SIGINT", "SIGTERM"):
+            return 0
+        print(f"error: {why}; the server stops (exit status 1)", file=sys.stderr, flush=True)
+        startup = any(p.poll() == 2 for p in self.frontends)
+        return 2 if startup else 1
+
+    def _watch(self, j: int, proc: subprocess.Popen) -> None:
+        status = proc.wait()
+        if not self.events:
+            how = (
+                f"killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+            )
+            self.stop_on(f"API server {j} (pid {proc.pid}) {how}")
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def frontend_main(argv: list[str] | None = None) -> int:
+    """One frontend of several (started by ``Launcher``): the command line's flags and the hidden
+    ``--frontend INDEX,COUNT,CORES --frontend-fds LISTEN,READY --socket-dir DIR``; serves on the inherited
+    listening socket once every core is ready. Exit status as ``main``'s."""
+    parser = make_parser()
+    parser.add_argument("--frontend", required=True)
+    parser.add_argument("--frontend-fds", required=True)
+    parser.add_argument("--socket-dir", required=True)
+    args = parser.parse_args(argv)
+    index, count, cores = map(int, args.frontend.split(","))
+    listen_fd, ready_fd = map(int, args.frontend_fds.split(","))
+    sock = socket.socket(fileno=listen_fd)
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # the launcher killed (kill -9): no frontend is left behind
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    try:
+        engine_core = AsyncMPClient(None, index, count, args.socket_dir, cores)
+    except (ValueError, TypeError, ConnectionError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    return serve(args, sock, engine_core, quiet=True)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the server handles signals itself: no traceback
+        print(file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,343 @@
+"""Step 14 tests: several engine cores and several frontends give step 13's outputs, and every fault ends
+cleanly.
+
+The oracle is step 13's engine, in process. Through ``LLM(data_parallel_size=2)``: greedy and seeded
+outputs, stop strings, n choices, logprobs, prefix hits, aborts, the stats of both cores; requests spread
+over the cores by ``waiting * 4 + running``. Through the command line with two frontends and two cores:
+the same answers from either frontend, the metrics of both cores summed over both frontends, both cores in
+``/v1/engine/stats``. Faults, as processes: a core killed (its stream ends with an error event and
+``[DONE]``, every process exits, exit 1), a frontend killed, SIGTERM, a port in use. Waits poll for the
+event with a generous bound (``SAFETY_NET_S``), never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import step13_chunked_prefill
+
+from .config import EngineArgs
+from .llm import LLM
+from .messages import SchedulerStats, merge_stats
+from .sampling_params import SamplingParams
+
+SAFETY_NET_S = 300  # the bound of every wait for an event: a net against a hang, never a measure of speed
+ENGINE_ARGS = dict(block_size=4, max_num_seqs=8)
+PROMPTS = [
+    "The Python interpreter",
+    "A list comprehension is",
+    "Exceptions are raised when an error occurs.",
+    "x",
+    "Modules can import other modules.",
+]
+CASES = [
+    (PROMPTS[0], dict(max_tokens=24, temperature=0)),
+    (PROMPTS[1], dict(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)),
+    (PROMPTS[2], dict(max_tokens=40, temperature=0, stop=["during", " raised"])),
+    (PROMPTS[0], dict(max_tokens=40, temperature=0, stop=[" interpreter."])),  # spans two tokens
+    (PROMPTS[3], dict(max_tokens=20, temperature=0, stop_token_ids=[87, 198])),
+    (PROMPTS[4], dict(n=3, max_tokens=12, temperature=1.0, seed=3)),
+    (PROMPTS[1], dict(max_tokens=8, temperature=0, logprobs=2)),
+    (PROMPTS[2], dict(max_tokens=16, temperature=0.7, repetition_penalty=1.3, seed=1)),
+]
+
+
+def as_tuples(outputs) -> list:
+    """Every field of every choice; logprobs within 1e-4 nats (each core runs torch on one thread)."""
+
+    def logprobs(c):
+        return c.logprobs and [
+            {t: pytest.approx(lp.logprob, abs=1e-4) for t, lp in entry.items()} for entry in c.logprobs
+        ]
+
+    return [
+        [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, logprobs(c)) for c in out.outputs]
+        for out in outputs
+    ]
+
+
+@pytest.fixture(scope="module")
+def oracle(demo_snapshot):
+    return step13_chunked_prefill.LLM(model=str(demo_snapshot), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_snapshot):
+    llm = LLM(model=str(demo_snapshot), data_parallel_size=2, **ENGINE_ARGS)
+    yield llm
+    llm.engine_core.shutdown()
+
+
+def run(llm_or_oracle, module, cases=CASES):
+    prompts, fields = zip(*cases)
+    return llm_or_oracle.generate(list(prompts), [module.SamplingParams(**f) for f in fields])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LLM over two cores
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_two_cores_give_step13s_outputs_and_share_the_requests(llm, oracle):
+    assert as_tuples(run(llm, sys.modules[__package__])) == as_tuples(run(oracle, step13_chunked_prefill))
+    # the requests were spread: both cores prefilled some (each core's own counters)
+    sent = llm.engine_core.sent
+    assert len(sent) == 2 and min(sent) >= 3 and sum(sent) >= len(CASES)
+    per_core = llm._stats
+    assert all(s.prefix_cache_queries > 0 for s in per_core)
+    assert llm.stats.prefix_cache_queries == sum(s.prefix_cache_queries for s in per_core)
+    assert llm.stats.num_blocks == 2 * per_core[0].num_blocks and llm.stats.num_running_reqs == 0
+
+
+def test_prefix_hits_and_streams_equal_step13(llm, oracle):
+    """A prompt seen before hits the cache of the core that prefilled it, if it lands there: the outputs
+    are step 13's either way; a stream closed early is aborted in its core (nothing runs after)."""
+    shared = "Modules can import other modules. " * 4
+    cases = [(shared + p, dict(max_tokens=6, temperature=0)) for p in PROMPTS]
+    assert as_tuples(run(llm, sys.modules[__package__], cases)) == as_tuples(
+        run(oracle, step13_chunked_prefill, cases)
+    )
+    assert llm.stats.prefix_cache_hits > 0
+    stream = llm.stream_outputs(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
+    next(stream)
+    stream.close()
+    assert llm.stats.num_running_reqs == 0 and llm.stats.num_used_blocks == 0
+    assert llm.engine_core.engine_of == {}
+
+
+def test_the_least_loaded_core_gets_each_new_request(llm):
+    """``waiting * 4 + running``, counting as waiting what was sent and not yet taken: with core 0 holding
+    four requests, the next four go to core 1."""
+    client = llm.engine_core
+    before = list(client.sent)
+    idle = merge_stats([client.stats_of[0]])
+    client.stats_of = [
+        SchedulerStats(**{**{f: getattr(idle, f) for f in idle.__struct_fields__}, "num_running_reqs": 4}),
+        idle,
+    ]
+    client.taken = list(client.sent)
+    assert [client.choose_engine() for _ in range(1)] == [1]
+    client.sent[1] += 1  # one on its way to core 1: 4 vs 4 -> the lowest index
+    assert client.choose_engine() == 0
+    client.sent = before
+
+
+def test_data_parallel_arguments_are_checked(demo_snapshot):
+    with pytest.raises(ValueError, match="data_parallel_size=2: .* multiprocessing=True"):
+        EngineArgs(model=str(demo_snapshot), data_parallel_size=2, multiprocessing=False)
+    with pytest.raises(ValueError, match="data_parallel_size=0: must be an integer >= 1"):
+        EngineArgs(model=str(demo_snapshot), data_parallel_size=0)
+    args = EngineArgs(model=str(demo_snapshot), data_parallel_size=3)
+    assert args.multiprocessing is True and [args.core_device(i) for i in range(3)] == ["cpu"] * 3
+
+
+def test_merged_stats_add_counts_and_weigh_the_usage_by_blocks():
+    def stats(used, blocks, per_pos):
+        return SchedulerStats(1, 2, used / blocks, used, blocks, 0, 3, 1, 5, 5, 10, 4, 2, 1, 2, 1, per_pos, 0)
+
+    merged = merge_stats([stats(10, 100, [1, 2]), stats(30, 300, [5])])
+    assert (merged.num_running_reqs, merged.num_waiting_reqs, merged.num_used_blocks) == (2, 4, 40)
+    assert merged.kv_cache_usage == pytest.approx(40 / 400)
+    assert merged.spec_decode_num_accepted_tokens_per_pos == [6, 2] and merged.num_steps == 10
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line: two frontends, two cores, one port
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gone(pid: int) -> bool:
+    """Whether a process has exited (a zombie nobody reaped counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + SAFETY_NET_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class Cli:
+    """``python -m step14_data_parallel`` as a process: its cores' and frontends' pids, its socket
+    directory, its URL."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __package__, "--port", "0", *args],
+            cwd=Path(__file__).parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def start(self, frontends: int) -> Cli:
+        lines = "".join(self.proc.stdout.readline() for _ in range(4 + (frontends > 1)))
+        match = re.search(r"engine cores?: pid ([\d, ]+), sockets in (\S+)", lines)
+        if match is None:
+            self.proc.kill()
+            assert match, lines + self.proc.stderr.read()
+        self.core_pids = [int(p) for p in match.group(1).split(", ")]
+        self.socket_dir = match.group(2)
+        found = re.search(r"api servers: pid ([\d, ]+)", lines)
+        self.frontend_pids = [int(p) for p in found.group(1).split(", ")] if found else [self.proc.pid]
+        self.url = re.search(r"http://127\.0\.0\.1:\d+", lines).group(0)
+        wait_until(self.answers, "the server never answered")
+        return self
+
+    def answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=SAFETY_NET_S).status_code == 200
+        except httpx.ConnectError:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            return False
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *self.core_pids, *self.frontend_pids]
+
+    def stop(self) -> None:
+        for pid in self.pids():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(SAFETY_NET_S)
+
+
+@pytest.fixture(scope="module")
+def server(demo_snapshot):
+    cli = Cli("--model", str(demo_snapshot), "--api-server-count", "2", "--data-parallel-size", "2")
+    cli.start(frontends=2)
+    yield cli
+    cli.stop()
+
+
+def completion(url: str, prompt: str, **fields) -> dict:
+    body = {"prompt": prompt, **fields}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=SAFETY_NET_S).json()
+
+
+def test_two_frontends_and_two_cores_answer_as_step13(server, demo_snapshot):
+    """Twenty requests at once over fresh connections (the kernel hands each to either frontend), every
+    answer step 13's; both cores ran some, both frontends served some, and /metrics (from whichever
+    frontend) sums both frontends' counts, by core."""
+    oracle = step13_chunked_prefill.LLM(model=str(demo_snapshot))
+    params = step13_chunked_prefill.SamplingParams(max_tokens=10, temperature=0)
+    prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(20)]
+    expected = [o.outputs[0].text for o in oracle.generate(prompts, params)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: completion(server.url, p, max_tokens=10, temperature=0), prompts))
+    assert [a["choices"][0]["text"] for a in answers] == expected
+    stats = httpx.get(f"{server.url}/v1/engine/stats", timeout=SAFETY_NET_S).json()
+    assert [e["engine"] for e in stats["engines"]] == [0, 1]
+    assert [e["pid"] for e in stats["engines"]] == server.core_pids
+    metrics = httpx.get(f"{server.url}/metrics", timeout=SAFETY_NET_S).text
+    success = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'vllm:request_success_total\{engine="(\d)",finished_reason="length".*\} (\S+)', metrics
+        )
+    }
+    assert sum(success.values()) >= 20 and set(success) == {"0", "1"}, metrics
+    assert re.search(
+        r'vllm:cache_config_info\{block_size="16",engine="1",.*num_gpu_blocks="\d+"\} 1.0', metrics
+    )
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f'vllm:{name}{{engine="1",model_name=' in metrics
+
+
+def test_a_stop_string_and_an_abort_reach_the_core_that_holds_the_request(server):
+    for _ in range(4):  # over both frontends and both cores
+        body = {"prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0, "stop": [" raised"], "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=SAFETY_NET_S) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=SAFETY_NET_S) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))  # then disconnect
+
+    def idle() -> bool:
+        engines = httpx.get(f"{server.url}/v1/engine/stats", timeout=SAFETY_NET_S).json()["engines"]
+        return all(e["num_running_reqs"] == 0 and e["num_used_blocks"] == 0 for e in engines)
+
+    wait_until(idle, "a request left running in a core")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_a_core_killed_ends_the_streams_and_every_process(demo_snapshot, frontends):
+    cli = Cli(
+        "--model", str(demo_snapshot), "--data-parallel-size", "2", "--api-server-count", str(frontends)
+    )
+    cli.start(frontends)
+    try:
+        with contextlib.ExitStack() as streams:
+            lines = []
+            for _ in cli.core_pids:  # a stream on each core (the second goes to the idle one)
+                http = streams.enter_context(httpx.Client(timeout=SAFETY_NET_S))
+                body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                r = streams.enter_context(http.stream("POST", f"{cli.url}/v1/completions", json=body))
+                events = (line for line in r.iter_lines() if line.startswith("data: "))
+                lines.append((events, next(events)))
+            os.kill(cli.core_pids[1], signal.SIGKILL)
+            ends = [[first, *events] for events, first in lines]
+        _, err = cli.proc.communicate(timeout=SAFETY_NET_S)
+        wait_until(lambda: all(gone(pid) for pid in cli.pids()), "a process outlived the server")
+    finally:
+        cli.stop()
+    for end in ends:
+        assert end[-1] == "data: [DONE]" and json.loads(end[-2][6:])["error"]["code"] == "engine_dead"
+    assert cli.proc.returncode == 1 and "SIGKILL" in err, err
+    assert not os.path.exists(cli.socket_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill-frontend", "SIGTERM"])
+def test_a_frontend_killed_or_a_signal_stops_every_process(demo_snapshot, how):
+    cli = Cli("--model", str(demo_snapshot), "--data-parallel-size", "2", "--api-server-count", "2")
+    cli.start(frontends=2)
+    try:
+        if how == "SIGTERM":
+            cli.proc.send_signal(signal.SIGTERM)
+        else:
+            os.kill(cli.frontend_pids[0], signal.SIGKILL)
+        _, err = cli.proc.communicate(timeout=SAFETY_NET_S)
+        wait_until(lambda: all(gone(pid) for pid in cli.pids()), "a process outlived the server")
+    finally:
+        cli.stop()
+    assert cli.proc.returncode == (0 if how == "SIGTERM" else 1), err
+    assert not os.path.exists(cli.socket_dir) and "Traceback" not in err, err
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(demo_snapshot):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = str(busy.getsockname()[1])
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", __package__, "--port", port, "--api-server-count", "2"],
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=SAFETY_NET_S,
+        )
+    finally:
+        busy.close()
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
