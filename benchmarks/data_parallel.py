@@ -1,11 +1,9 @@
 """Step 14: what several frontends (``--api-server-count``) and several engine cores
-(``--data-parallel-size``, here all on one device) buy an HTTP client.
-
-Step 14's server in each configuration of ``CONFIGS`` (frontends, cores), one after the other, at 16, 64, 256
-and 512 streams (32 random ids + exactly 128 greedy tokens each), the load from ``CLIENTS`` processes; beside
-each point the engine in process (``LLMEngine``, one core) at the same concurrency. Per point: tok/s (from
-the first send to the last token), TTFT and ITL percentiles, and the frontends' CPU time per streamed token
-(``/proc``: user + system of every frontend process over the point, over its tokens).
+(``--data-parallel-size``, all on one device here) buy an HTTP client: step 14's server in each of
+``CONFIGS`` (frontends, cores) at 16, 64, 256 and 512 streams (32 random ids + exactly 128 greedy tokens
+each; the load from ``CLIENTS`` processes), beside the engine in process at the same concurrency. Per point:
+tok/s (first send to last token), TTFT and ITL percentiles, the frontends' CPU time per streamed token
+(``/proc``: user + system of every frontend process over the point).
 
     python -m benchmarks data_parallel --device cuda --runs 1
     python -m benchmarks data_parallel --quick          # CPU, the demo, 1 run, short requests
