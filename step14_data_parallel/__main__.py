@@ -3,6 +3,9 @@
     python -m <step> --model demo            # http://127.0.0.1:8000, the web page at /
     python -m <step> --model gpt2 --device cuda --dtype float16 --port 8080
     python -m <step> --api-server-count 4 --data-parallel-size 2   # 4 frontends, 2 cores, one port
+    python -m <step> --data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address 10.0.0.1
+    python -m <step> --headless --data-parallel-size 2 --data-parallel-start-rank 1 \
+        --data-parallel-address 10.0.0.1                            # core 1, on another machine
 
 Run it from the repository root; `--help` lists every option with its default.
 """
@@ -98,6 +101,39 @@ def make_parser() -> argparse.ArgumentParser:
         help="frontend processes (HTTP, tokenizer, detokenizer) sharing the one listening socket (vLLM's "
         "name); each sends its requests to every engine core",
     )
+    dp = parser.add_argument_group("engine cores on other machines (over TCP; vLLM's names)")
+    dp.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="engine cores this machine runs (default: all of --data-parallel-size; fewer: the others "
+        "connect from other machines with --headless, over TCP)",
+    )
+    dp.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        help="the frontends' machine: where they bind their TCP sockets, and where headless cores connect; "
+        "anyone who can reach these ports can send requests and read outputs (step 14's README)",
+    )
+    dp.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=13345,
+        help="the first of the TCP ports: (M + 1) per frontend, then 2 for the coordinator",
+    )
+    dp.add_argument(
+        "--headless", action="store_true", help="run engine cores only, connecting to the frontends"
+    )
+    dp.add_argument(
+        "--data-parallel-start-rank", type=int, default=0, help="--headless: the first core's index"
+    )
+    dp.add_argument(
+        "--data-parallel-connect-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="--headless: how long to wait for the frontends' machine to answer before giving up",
+    )
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -108,9 +144,12 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, checked: bad flags and limits that admit nothing exit with status 2."""
-    parser = make_parser()
+def parse_args(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """The command line (of ``parser``, default ``make_parser()``), checked: bad flags and limits that admit
+    nothing exit with status 2."""
+    parser = parser or make_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is not a TCP port (0..65535)")
@@ -120,6 +159,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.api_server_count < 1:
         parser.error(f"argument --api-server-count: must be >= 1, not {args.api_server_count}")
+    cores, start = args.data_parallel_size, args.data_parallel_start_rank
+    if args.data_parallel_size_local is None:
+        args.data_parallel_size_local = cores - start if args.headless else cores
+    local = args.data_parallel_size_local
+    if not 0 <= start < cores or not 1 <= local <= cores - start:
+        parser.error(
+            f"arguments --data-parallel-start-rank {start}, --data-parallel-size-local {local}: the cores "
+            f"run here must be among the {cores} of --data-parallel-size"
+        )
+    if not args.headless and start != 0:
+        parser.error(
+            "argument --data-parallel-start-rank: only with --headless (the frontends run core 0 on)"
+        )
+    if not 0 < args.data_parallel_rpc_port < 65536:
+        parser.error(f"argument --data-parallel-rpc-port: {args.data_parallel_rpc_port} is not a TCP port")
     if args.stream_interval < 1:
         parser.error(f"argument --stream-interval: must be >= 1, not {args.stream_interval}")
     if args.multiprocessing is False:
@@ -216,9 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = parse_args(argv)
     try:
+        if args.headless:
+            return Headless(args, EngineArgs.from_cli_args(args)).run()
         sock = bind(args.host, args.port)  # first: a busy port is reported before a model loads for nothing
         engine_args = EngineArgs.from_cli_args(args)
-        if args.api_server_count > 1:
+        if args.api_server_count > 1 or args.data_parallel_size_local < args.data_parallel_size:
             return Launcher(args, engine_args, sock).run()
         engine_core = AsyncMPClient(engine_args)
     except (ValueError, TypeError, ConnectionError, OSError, RuntimeError) as e:
@@ -328,8 +384,14 @@ class Launcher:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def _run(self) -> int:
-        self.procs = EngineCoreProcs(self.engine_args, self.count, self.socket_dir)
-        outputs = [Addresses(self.socket_dir).output(j) for j in range(self.count)]
+        a = addresses_for(self.args, self.socket_dir)
+        self.procs = EngineCoreProcs(
+            self.engine_args, self.count, a, range(self.args.data_parallel_size_local)
+        )
+        outputs = [a.output(j) for j in range(self.count)]
+        if a.tcp is not None:
+            remote = self.args.data_parallel_size - self.args.data_parallel_size_local
+            print(f"waiting for {remote} headless engine core(s) to connect to {a.output(0)} ...", flush=True)
         self.procs.watch(lambda message: tell_dead(outputs, message))  # the frontends then exit 1
         ready_r, ready_w = os.pipe()
         fd = self.sock.fileno()
@@ -383,6 +445,77 @@ class Launcher:
             self.stop_on(f"API server {j} (pid {proc.pid}) {how}")
 
 
+def addresses_for(args: argparse.Namespace, socket_dir: str) -> Addresses:
+    """The sockets of a server of these flags: TCP when some cores run on other machines, else ipc."""
+    tcp = None
+    if args.headless or args.data_parallel_size_local < args.data_parallel_size:
+        tcp = (args.data_parallel_address, args.data_parallel_rpc_port)
+    return Addresses(socket_dir, tcp, args.api_server_count, args.data_parallel_size)
+
+
+class Headless:
+    """``--headless``: run engine cores only (``--data-parallel-size-local`` of them from
+    ``--data-parallel-start-rank``), which connect over TCP to the frontends at ``--data-parallel-address``
+    (the same ``--api-server-count``, ``--data-parallel-size`` and port as theirs). First checks that the
+    frontends' first port answers, for at most ``--data-parallel-connect-timeout`` seconds (else one line,
+    exit 1); then runs until a signal (exit 0) or a core's exit (exit 1)."""
+
+    def __init__(self, args: argparse.Namespace, engine_args: EngineArgs):
+        self.args, self.engine_args = args, engine_args
+        self.socket_dir = tempfile.mkdtemp(prefix="engine-core-")
+        self.events: list[str] = []
+        self.wake = threading.Event()
+
+    def stop_on(self, why: str) -> None:
+        self.events.append(why)
+        self.wake.set()
+
+    def run(self) -> int:
+        previous = {
+            s: signal.signal(s, lambda n, f: self.stop_on(signal.Signals(n).name))
+            for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        procs = None
+        try:
+            a = addresses_for(self.args, self.socket_dir)
+            if not self.reach(a.output(0)):
+                return 1
+            start = self.args.data_parallel_start_rank
+            ranks = range(start, start + self.args.data_parallel_size_local)
+            procs = EngineCoreProcs(self.engine_args, self.args.api_server_count, a, ranks)
+            procs.watch(self.stop_on)
+            pids = ", ".join(str(p.pid) for p in procs.procs)
+            print(f"headless: engine cores {list(ranks)} (pid {pids}) serving the frontends at {a.output(0)}")
+            while not self.wake.wait(0.5):
+                pass
+            if self.events[0] in ("SIGINT", "SIGTERM"):
+                return 0
+            print(f"error: {self.events[0]}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if procs is not None:
+                procs.shutdown()
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+    def reach(self, address: str) -> bool:
+        """Whether the frontends' first TCP port accepts a connection within the timeout (tried every
+        0.2 s); if not, says so in one line."""
+        host, port = address[len("tcp://") :].rsplit(":", 1)
+        timeout = self.args.data_parallel_connect_timeout
+        deadline, error = time.monotonic() + timeout, None
+        while time.monotonic() < deadline and not self.events:
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+                return True
+            except OSError as e:
+                error = e.strerror or str(e)
+                time.sleep(0.2)
+        print(f"error: no frontend answered at {address} within {timeout:g} s ({error})", file=sys.stderr)
+        return False
+
+
 def _stop_all(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -398,7 +531,7 @@ def frontend_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frontend", required=True)
     parser.add_argument("--frontend-fds", required=True)
     parser.add_argument("--socket-dir", required=True)
-    args = parser.parse_args(argv)
+    args = parse_args(argv, parser)
     index, count, cores = map(int, args.frontend.split(","))
     listen_fd, ready_fd = map(int, args.frontend_fds.split(","))
     sock = socket.socket(fileno=listen_fd)
@@ -411,7 +544,8 @@ def frontend_main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=watch_parent, daemon=True).start()
     try:
-        engine_core = AsyncMPClient(None, index, count, args.socket_dir, cores)
+        addresses = addresses_for(args, args.socket_dir)
+        engine_core = AsyncMPClient(None, index, count, addresses, cores, args.dp_routing)
     except (ValueError, TypeError, ConnectionError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

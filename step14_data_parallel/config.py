@@ -210,6 +210,14 @@ class EngineArgs:
         COUNT,
         type=int,
     )
+    dp_routing: str = engine_arg(
+        "load",
+        "how a frontend picks the core of a new request: load = the lowest waiting * 4 + running; prefix = "
+        "the core that last took a request with the same first KV block (its prefix cache may hold it), "
+        "unless that core is loaded past the least loaded by more than 8 waiting requests' worth",
+        (("load", "prefix").__contains__, "'load' or 'prefix'"),
+        choices=["load", "prefix"],
+    )
     speculative_config: dict | str | None = engine_arg(
         None,
         "speculative decoding, vLLM's fields as JSON: method ('ngram' or 'draft_model'; required unless a "

@@ -12,6 +12,7 @@ that a core died unasked (``kill -9``; vllm #21728). The MP clients are not thre
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -44,6 +45,8 @@ from .messages import (
     output_encoder,
 )
 
+PREFIX_SLACK = 4 * 8  # --dp-routing prefix: a core's score may exceed the lowest by this (8 waiting)
+PREFIX_ROUTES = 1 << 16  # --dp-routing prefix: the first blocks remembered (the oldest forgotten first)
 SHUTDOWN_TIMEOUT_S = 5.0  # how long a SIGTERM'd core may take to stop before it is killed
 STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "ConnectionError": ConnectionError}
 
@@ -124,28 +127,41 @@ class InprocClient(EngineCoreClient):
 
 
 class Addresses:
-    """The sockets of one server, in one private directory: client c binds ``input(c, e)`` (its PUSH to core
-    e) and ``output(c)`` (its PULL from every core); the coordinator binds ``loads`` and ``publish``."""
+    """The sockets of one server: client c binds ``input(c, e)`` (its PUSH to core e) and ``output(c)`` (its
+    PULL from every core); the coordinator binds ``loads`` and ``publish``. ``ipc://`` files in
+    ``socket_dir`` (private: mode 0700), or, with ``tcp=(host, port)`` (cores on other machines:
+    ``--headless``), ports from ``port`` on: client c's output at ``port + c * (M + 1)``, its inputs after
+    it, then the coordinator's two, for ``num_clients`` clients and ``num_engines`` cores (M)."""
 
-    def __init__(self, socket_dir: str):
-        self.socket_dir = socket_dir
+    def __init__(
+        self,
+        socket_dir: str,
+        tcp: tuple[str, int] | None = None,
+        num_clients: int = 1,
+        num_engines: int = 1,
+    ):
+        self.socket_dir, self.tcp = socket_dir, tcp
+        self.num_clients, self.num_engines = num_clients, num_engines
 
-    def _ipc(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.socket_dir, name)}"
+    def _at(self, name: str, offset: int) -> str:
+        if self.tcp is None:
+            return f"ipc://{os.path.join(self.socket_dir, name)}"
+        host, port = self.tcp
+        return f"tcp://{f'[{host}]' if ':' in host else host}:{port + offset}"
 
     def input(self, client: int, engine: int) -> str:
-        return self._ipc(f"input-{client}-{engine}")
+        return self._at(f"input-{client}-{engine}", client * (self.num_engines + 1) + 1 + engine)
 
     def output(self, client: int) -> str:
-        return self._ipc(f"output-{client}")
+        return self._at(f"output-{client}", client * (self.num_engines + 1))
 
     @property
     def loads(self) -> str:
-        return self._ipc("loads")
+        return self._at("loads", self.num_clients * (self.num_engines + 1))
 
     @property
     def publish(self) -> str:
-        return self._ipc("publish")
+        return self._at("publish", self.num_clients * (self.num_engines + 1) + 1)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -188,8 +204,15 @@ class EngineCoreProcs:
     # what a child runs (python -c; not -m: the package, imported first, would import the module twice)
     entry = "import sys; from {package}.{module} import main; sys.exit(main())"
 
-    def __init__(self, engine_args: EngineArgs, num_clients: int, socket_dir: str):
-        a, cores = Addresses(socket_dir), engine_args.data_parallel_size
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        num_clients: int,
+        addresses: Addresses,
+        ranks: range | None = None,
+    ):
+        a, cores = addresses, engine_args.data_parallel_size
+        ranks = range(cores) if ranks is None else ranks  # the cores this machine runs (--headless: some)
         self.closing = threading.Event()  # shutdown asked for: an exit is no death
         self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []
@@ -198,16 +221,16 @@ class EngineCoreProcs:
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
         }
-        common = ["--parent-pid", str(os.getpid()), "--socket-dir", socket_dir]
+        common = ["--parent-pid", str(os.getpid()), "--socket-dir", a.socket_dir]
         try:
-            if num_clients > 1:
+            if num_clients > 1 and 0 in ranks:  # the coordinator lives with the frontends and core 0
                 argv = [*common, "--loads", a.loads, "--publish", a.publish, "--engines", str(cores)]
                 self._start("coordinator", "coordinator", argv)
-            for engine in range(cores):
+            for local, engine in enumerate(ranks):  # on this machine's devices from cuda:0 (a bare cuda)
                 argv = [
                     *common,
                     "--engine-args",
-                    core_args(engine_args, engine),
+                    core_args(engine_args, local),
                     "--engine-index",
                     str(engine),
                 ]
@@ -294,7 +317,8 @@ class MPClient(EngineCoreClient):
 
     engine_args: the engine's ``EngineArgs``, checked here already: this client starts the cores itself
     (one frontend), in a directory of its own. None: the server's launcher started ``num_engines`` cores
-    for ``num_clients`` frontends in ``socket_dir`` and watches them; this one is ``client_index``. Raises,
+    for ``num_clients`` frontends at ``addresses`` and watches them; this one is ``client_index``, routing
+    by ``dp_routing`` (``EngineArgs.dp_routing``). Raises,
     if a core fails to start, its own error: ValueError (a pool too large for the device), ConnectionError
     (a Hub model out of reach); RuntimeError if one exits without a word.
     """
@@ -304,12 +328,13 @@ class MPClient(EngineCoreClient):
         engine_args: EngineArgs | None,
         client_index: int = 0,
         num_clients: int = 1,
-        socket_dir: str | None = None,
+        addresses: Addresses | None = None,
         num_engines: int = 1,
+        dp_routing: str = "load",
     ):
         owner = engine_args is not None
-        self.socket_dir = tempfile.mkdtemp(prefix="engine-core-") if owner else socket_dir  # mode 0700
-        a = Addresses(self.socket_dir)
+        self.socket_dir = tempfile.mkdtemp(prefix="engine-core-") if owner else addresses.socket_dir  # 0700
+        a = addresses or Addresses(self.socket_dir)
         self.client_index = client_index
         self.num_engines = engine_args.data_parallel_size if owner else num_engines
         context = zmq.Context()
@@ -337,10 +362,13 @@ class MPClient(EngineCoreClient):
         self.stats_of: list[SchedulerStats | None] = [None] * self.num_engines
         self.sent, self.taken = [0] * self.num_engines, [0] * self.num_engines
         self.engine_of: dict[str, list[int]] = {}
+        routing = engine_args.dp_routing if owner else dp_routing
+        self.prefix_routing = self.num_engines > 1 and routing == "prefix"
+        self.first_blocks: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
         self.procs = None
         try:
             if owner:
-                self._resources.procs = self.procs = EngineCoreProcs(engine_args, 1, self.socket_dir)
+                self._resources.procs = self.procs = EngineCoreProcs(engine_args, 1, a)
             self.configs = self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -384,7 +412,7 @@ class MPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> int:
         """Send ``request`` to the least loaded core (``choose_engine``); returns its index."""
-        engine = self.choose_engine() if self.num_engines > 1 else 0
+        engine = self.choose_engine(request.prompt_token_ids) if self.num_engines > 1 else 0
         request.client_index = self.client_index
         self._send(engine, request)
         self.sent[engine] += 1
@@ -392,16 +420,29 @@ class MPClient(EngineCoreClient):
             self.engine_of[request.request_id] = [engine, request.sampling_params.n]
         return engine
 
-    def choose_engine(self) -> int:
+    def choose_engine(self, prompt_token_ids: list[int] = ()) -> int:
         """The core with the lowest ``waiting * 4 + running`` (vLLM's ``DPLBAsyncMPClient``), counting as
-        waiting the requests sent to it that it had not taken when it last said; ties: the lowest index."""
+        waiting the requests sent to it that it had not taken when it last said; ties: the lowest index.
+        With prefix routing, the core that last took a prompt of the same first full block, unless its
+        score is over the lowest by more than ``PREFIX_SLACK``."""
         self.read_loads()
 
         def score(engine: int) -> int:
             s, in_transit = self.stats_of[engine], self.sent[engine] - self.taken[engine]
             return 4 * (s.num_waiting_reqs + in_transit) + s.num_running_reqs
 
-        return min(range(self.num_engines), key=score)
+        best = min(range(self.num_engines), key=score)
+        block = self.config.block_size
+        if not self.prefix_routing or len(prompt_token_ids) < block:
+            return best
+        key = tuple(prompt_token_ids[:block])
+        seen = self.first_blocks.pop(key, None)
+        if seen is not None and score(seen) <= score(best) + PREFIX_SLACK:
+            best = seen
+        self.first_blocks[key] = best  # the newest last: the oldest is forgotten first
+        if len(self.first_blocks) > PREFIX_ROUTES:
+            self.first_blocks.popitem(last=False)
+        return best
 
     def read_loads(self) -> None:
         """Take the coordinator's publications that have arrived (several frontends): each core's stats,

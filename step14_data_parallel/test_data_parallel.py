@@ -30,6 +30,7 @@ import pytest
 import step13_chunked_prefill
 
 from .config import EngineArgs
+from .core_client import Addresses
 from .llm import LLM
 from .messages import SchedulerStats, merge_stats
 from .sampling_params import SamplingParams
@@ -135,6 +136,38 @@ def test_the_least_loaded_core_gets_each_new_request(llm):
     client.sent = before
 
 
+def test_prefix_routing_sends_prompts_of_one_first_block_to_one_core(demo_snapshot, oracle, llm):
+    """``dp_routing="prefix"``: after one prompt, six more with the same first block all go to its core (load
+    routing spreads a batch: the first test), where the prefix cache holds it; the outputs are step 13's."""
+    shared = "Modules can import other modules. " * 3
+    prompts = [shared + x for x in "BCDEFG"]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    oracle_params = step13_chunked_prefill.SamplingParams(max_tokens=4, temperature=0)
+    expected = [o.outputs[0].text for o in oracle.generate(prompts, oracle_params)]
+    routed = LLM(model=str(demo_snapshot), data_parallel_size=2, dp_routing="prefix", **ENGINE_ARGS)
+    try:
+        routed.generate([shared + "A"], params)
+        assert [o.outputs[0].text for o in routed.generate(prompts, params)] == expected
+        assert routed.engine_core.sent == [7, 0]
+        shared_blocks = len(routed.get_tokenizer().encode(shared)) // ENGINE_ARGS["block_size"] - 1
+        assert routed.stats.prefix_cache_hits >= 6 * shared_blocks * ENGINE_ARGS["block_size"]
+    finally:
+        routed.engine_core.shutdown()
+
+
+def test_tcp_addresses_take_consecutive_ports():
+    a = Addresses("/unused", ("10.0.0.1", 5000), num_clients=2, num_engines=3)
+    assert [a.output(0), a.input(0, 0), a.input(0, 2), a.output(1), a.input(1, 0)] == [
+        "tcp://10.0.0.1:5000",
+        "tcp://10.0.0.1:5001",
+        "tcp://10.0.0.1:5003",
+        "tcp://10.0.0.1:5004",
+        "tcp://10.0.0.1:5005",
+    ]
+    assert (a.loads, a.publish) == ("tcp://10.0.0.1:5008", "tcp://10.0.0.1:5009")
+    assert Addresses("/run/x").output(0) == "ipc:///run/x/output-0"
+
+
 def test_data_parallel_arguments_are_checked(demo_snapshot):
     with pytest.raises(ValueError, match="data_parallel_size=2: .* multiprocessing=True"):
         EngineArgs(model=str(demo_snapshot), data_parallel_size=2, multiprocessing=False)
@@ -188,8 +221,10 @@ class Cli:
             text=True,
         )
 
-    def start(self, frontends: int) -> Cli:
-        lines = "".join(self.proc.stdout.readline() for _ in range(4 + (frontends > 1)))
+    def start(self, launched: bool) -> Cli:
+        """Read the start-up lines (a launcher, for several frontends or remote cores, adds the frontends'
+        pids), then wait for /health."""
+        lines = "".join(self.proc.stdout.readline() for _ in range(4 + launched))
         match = re.search(r"engine cores?: pid ([\d, ]+), sockets in (\S+)", lines)
         if match is None:
             self.proc.kill()
@@ -222,7 +257,7 @@ class Cli:
 @pytest.fixture(scope="module")
 def server(demo_snapshot):
     cli = Cli("--model", str(demo_snapshot), "--api-server-count", "2", "--data-parallel-size", "2")
-    cli.start(frontends=2)
+    cli.start(launched=True)
     yield cli
     cli.stop()
 
@@ -284,7 +319,7 @@ def test_a_core_killed_ends_the_streams_and_every_process(demo_snapshot, fronten
     cli = Cli(
         "--model", str(demo_snapshot), "--data-parallel-size", "2", "--api-server-count", str(frontends)
     )
-    cli.start(frontends)
+    cli.start(launched=frontends > 1)
     try:
         with contextlib.ExitStack() as streams:
             lines = []
@@ -309,8 +344,10 @@ def test_a_core_killed_ends_the_streams_and_every_process(demo_snapshot, fronten
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill-frontend", "SIGTERM"])
 def test_a_frontend_killed_or_a_signal_stops_every_process(demo_snapshot, how):
-    cli = Cli("--model", str(demo_snapshot), "--data-parallel-size", "2", "--api-server-count", "2")
-    cli.start(frontends=2)
+    """Two frontends over two cores (kill -9 of a frontend), or over one (SIGTERM): every process goes."""
+    cores = "2" if how == "kill-frontend" else "1"
+    cli = Cli("--model", str(demo_snapshot), "--data-parallel-size", cores, "--api-server-count", "2")
+    cli.start(launched=True)
     try:
         if how == "SIGTERM":
             cli.proc.send_signal(signal.SIGTERM)
@@ -341,3 +378,82 @@ def test_a_port_in_use_is_one_line_and_exit_2(demo_snapshot):
         busy.close()
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports that are free on 127.0.0.1 now."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
+@pytest.mark.slow
+def test_a_headless_core_serves_the_frontends_over_tcp(demo_snapshot):
+    """Core 0 with the frontend, core 1 started --headless: both take requests over tcp://127.0.0.1, the
+    answers are step 13's; SIGTERM stops each side with exit 0."""
+    port = str(free_ports(3))
+    common = ["--model", str(demo_snapshot), "--data-parallel-size", "2", "--data-parallel-rpc-port", port]
+    common += ["--api-server-count", "1"]  # the same on both sides: it says which ports are whose
+    cli = Cli(*common, "--data-parallel-size-local", "1")
+    headless = subprocess.Popen(
+        [sys.executable, "-m", __package__, *common, "--headless", "--data-parallel-start-rank", "1"],
+        cwd=Path(__file__).parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "waiting for 1 headless engine core" in cli.proc.stdout.readline()
+        cli.start(launched=True)
+        assert headless.stdout.readline().startswith("headless: engine cores [1] (pid ")
+        oracle = step13_chunked_prefill.LLM(model=str(demo_snapshot))
+        prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(12)]
+        params = step13_chunked_prefill.SamplingParams(max_tokens=8, temperature=0)
+        expected = [o.outputs[0].text for o in oracle.generate(prompts, params)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda p: completion(cli.url, p, max_tokens=8, temperature=0), prompts))
+        assert [a["choices"][0]["text"] for a in answers] == expected
+        engines = httpx.get(f"{cli.url}/v1/engine/stats", timeout=SAFETY_NET_S).json()["engines"]
+        assert all(e["prefix_cache_queries"] > 0 for e in engines), engines
+        cli.proc.send_signal(signal.SIGTERM)
+        headless.send_signal(signal.SIGTERM)
+        assert cli.proc.wait(SAFETY_NET_S) == 0 and headless.wait(SAFETY_NET_S) == 0
+    finally:
+        cli.stop()
+        if headless.poll() is None:
+            headless.kill()
+            headless.wait()
+
+
+def test_a_headless_core_that_reaches_no_frontend_says_so(demo_snapshot):
+    port = free_ports(4)
+    proc = subprocess.run(
+        [sys.executable, "-m", __package__, "--model", str(demo_snapshot), "--headless"]
+        + [
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-start-rank",
+            "1",
+            "--data-parallel-rpc-port",
+            str(port),
+        ]
+        + ["--data-parallel-connect-timeout", "0.5"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=SAFETY_NET_S,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == (
+        f"error: no frontend answered at tcp://127.0.0.1:{port} within 0.5 s (Connection refused)"
+    )
