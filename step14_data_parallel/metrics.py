@@ -17,9 +17,13 @@ class ByEngine:
 
     def __init__(self, family, model_name: str):
         self.family, self.model_name = family, model_name
+        self.children: dict[int, object] = {}  # by core: a dict lookup per token, not the family's lock
 
     def labels(self, engine: int):
-        return self.family.labels(self.model_name, str(engine))
+        child = self.children.get(engine)
+        if child is None:
+            child = self.children[engine] = self.family.labels(self.model_name, str(engine))
+        return child
 
 
 class ServerMetrics:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -278,6 +279,12 @@ def test_two_frontends_and_two_cores_answer_as_step13(server, demo_snapshot):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda p: completion(server.url, p, max_tokens=10, temperature=0), prompts))
     assert [a["choices"][0]["text"] for a in answers] == expected
+    for fields in (dict(n=2, seed=5, temperature=1.0, max_tokens=8), dict(stop=[" the"], max_tokens=30)):
+        (want,) = oracle.generate([PROMPTS[1]], step13_chunked_prefill.SamplingParams(**fields))
+        got = completion(server.url, PROMPTS[1], **fields)["choices"]
+        assert [(c["text"], c["finish_reason"]) for c in got] == [
+            (c.text, c.finish_reason) for c in want.outputs
+        ]
     stats = httpx.get(f"{server.url}/v1/engine/stats", timeout=SAFETY_NET_S).json()
     assert [e["engine"] for e in stats["engines"]] == [0, 1]
     assert [e["pid"] for e in stats["engines"]] == server.core_pids
@@ -311,6 +318,24 @@ def test_a_stop_string_and_an_abort_reach_the_core_that_holds_the_request(server
         return all(e["num_running_reqs"] == 0 and e["num_used_blocks"] == 0 for e in engines)
 
     wait_until(idle, "a request left running in a core")
+
+
+def test_the_page_shows_every_core(server):
+    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install chromium, or set CHROMIUM=/path/to/chrome)")
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=SAFETY_NET_S * 1000)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            core = r"core {} \(cpu\): \d+ running, \d+ waiting, KV \d+\.\d %"
+            expect(page.locator("#engines")).to_have_text(re.compile(f"^{core.format(0)}; {core.format(1)}$"))
+        finally:
+            browser.close()
 
 
 @pytest.mark.slow

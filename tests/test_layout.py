@@ -252,7 +252,6 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_completion.py",
         "serving_engine.py",
         "spec_decode.py",
-        "static/index.html",
     ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
