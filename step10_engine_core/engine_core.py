@@ -220,6 +220,8 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
         outputs.send(encoder.encode(EngineCoreDead(type(e).__name__, f"engine step failed: {e}")))
         status = 1
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the last word is out: a signal now would raise here
+            signal.signal(sig, signal.SIG_IGN)
         gc.unfreeze()  # so that exit frees them (else triton's bindings report each as leaked)
         outputs.close(linger=2000)  # deliver the last word, but never hang on a dead frontend
         inputs.close(linger=0)

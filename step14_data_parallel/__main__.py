@@ -39,6 +39,7 @@ except KeyboardInterrupt:
     sys.exit(130)
 
 DEFAULT_GRACE_S = 2.0  # after a signal, how long open requests may take to finish before they are ended
+SIGNALS = {"SIGINT", "SIGTERM"}  # the signals that stop the server, by name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -160,20 +161,34 @@ def parse_args(
     if args.api_server_count < 1:
         parser.error(f"argument --api-server-count: must be >= 1, not {args.api_server_count}")
     cores, start = args.data_parallel_size, args.data_parallel_start_rank
-    if args.data_parallel_size_local is None:
-        args.data_parallel_size_local = cores - start if args.headless else cores
-    local = args.data_parallel_size_local
-    if not 0 <= start < cores or not 1 <= local <= cores - start:
-        parser.error(
-            f"arguments --data-parallel-start-rank {start}, --data-parallel-size-local {local}: the cores "
-            f"run here must be among the {cores} of --data-parallel-size"
-        )
     if not args.headless and start != 0:
         parser.error(
             "argument --data-parallel-start-rank: only with --headless (the frontends run core 0 on)"
         )
-    if not 0 < args.data_parallel_rpc_port < 65536:
-        parser.error(f"argument --data-parallel-rpc-port: {args.data_parallel_rpc_port} is not a TCP port")
+    if not 0 <= start < cores:
+        parser.error(
+            f"argument --data-parallel-start-rank: {start} is not a core's index (0 .. {cores - 1}, as "
+            f"--data-parallel-size is {cores})"
+        )
+    if args.data_parallel_size_local is None:
+        args.data_parallel_size_local = cores - start if args.headless else cores
+    local = args.data_parallel_size_local
+    if not 1 <= local <= cores - start:
+        parser.error(
+            f"argument --data-parallel-size-local: {local} cores from index {start} are not among the "
+            f"{cores} of --data-parallel-size"
+        )
+    last = args.data_parallel_rpc_port + args.api_server_count * (cores + 1) + 1  # the coordinator's
+    if not 0 < args.data_parallel_rpc_port or last > 65535:
+        parser.error(
+            f"argument --data-parallel-rpc-port: {args.data_parallel_rpc_port} to {last} (for "
+            f"{args.api_server_count} API server(s) and {cores} core(s)) are not all TCP ports"
+        )
+    if not 0 < args.data_parallel_connect_timeout < float("inf"):
+        parser.error(
+            f"argument --data-parallel-connect-timeout: must be > 0 seconds, not "
+            f"{args.data_parallel_connect_timeout}"
+        )
     if args.stream_interval < 1:
         parser.error(f"argument --stream-interval: must be >= 1, not {args.stream_interval}")
     if args.multiprocessing is False:
@@ -362,6 +377,7 @@ class Launcher:
         self.wake = threading.Event()
         self.frontends: list[subprocess.Popen] = []
         self.procs: EngineCoreProcs | None = None
+        self.death: str | None = None  # a core's or the coordinator's death, as its monitor said
 
     def stop_on(self, why: str) -> None:
         self.events.append(why)
@@ -388,11 +404,11 @@ class Launcher:
         self.procs = EngineCoreProcs(
             self.engine_args, self.count, a, range(self.args.data_parallel_size_local)
         )
-        outputs = [a.output(j) for j in range(self.count)]
+        self.outputs = [a.output(j) for j in range(self.count)]
         if a.tcp is not None:
             remote = self.args.data_parallel_size - self.args.data_parallel_size_local
             print(f"waiting for {remote} headless engine core(s) to connect to {a.output(0)} ...", flush=True)
-        self.procs.watch(lambda message: tell_dead(outputs, message))  # the frontends then exit 1
+        self.procs.watch(self.core_died)  # the frontends end their streams, then exit 1
         ready_r, ready_w = os.pipe()
         fd = self.sock.fileno()
         env = {**self.procs.env, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
@@ -414,9 +430,12 @@ class Launcher:
         ready = 0
         while ready < self.count and not self.events:  # each frontend writes one byte once it serves
             if select.select([ready_r], [], [], 0.1)[0]:
-                ready += len(os.read(ready_r, self.count)) or self.count  # EOF: every frontend is gone
+                chunk = os.read(ready_r, self.count)
+                if not chunk:  # EOF: every frontend is gone (its watch thread says how)
+                    self.wake.wait()
+                ready += len(chunk)
         os.close(ready_r)
-        if not self.events:
+        if ready == self.count and not self.events:
             features = {"data_parallel_size": self.engine_args.data_parallel_size, "api_servers": self.count}
             cores = [p.pid for p, name in zip(self.procs.procs, self.procs.names) if name != "coordinator"]
             announce(self.args, self.sock, features, cores, self.socket_dir)
@@ -424,17 +443,26 @@ class Launcher:
         while not self.wake.wait(0.5):
             pass
         why = self.events[0]
-        for proc in self.frontends:  # each ends its open streams (after the grace period on a signal)
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.frontends:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(self.args.timeout_graceful_shutdown + 10)
-        if why in ("SIGINT", "SIGTERM"):
-            return 0
-        print(f"error: {why}; the server stops (exit status 1)", file=sys.stderr, flush=True)
-        startup = any(p.poll() == 2 for p in self.frontends)
-        return 2 if startup else 1
+        forwarded, deadline = 0, time.monotonic() + self.args.timeout_graceful_shutdown + 10
+        while any(p.poll() is None for p in self.frontends) and time.monotonic() < deadline:
+            received = sum(e in SIGNALS for e in self.events)
+            while forwarded < max(received, 1):  # each ends its streams (a second signal: at once)
+                for proc in self.frontends:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
+                forwarded += 1
+            time.sleep(0.05)
+        if why in SIGNALS:
+            return 130 if sum(e in SIGNALS for e in self.events) > 1 else 0
+        if ready < self.count and any(p.poll() == 2 for p in self.frontends):
+            return 2  # a frontend could not start: it said why
+        print(f"error: {self.death or why}; the server stops (exit status 1)", file=sys.stderr, flush=True)
+        return 1
+
+    def core_died(self, message: str) -> None:
+        """A monitor's word (a thread): tell every frontend, which ends its streams and exits 1."""
+        self.death = message
+        tell_dead(self.outputs, message)
 
     def _watch(self, j: int, proc: subprocess.Popen) -> None:
         status = proc.wait()
@@ -488,7 +516,7 @@ class Headless:
             print(f"headless: engine cores {list(ranks)} (pid {pids}) serving the frontends at {a.output(0)}")
             while not self.wake.wait(0.5):
                 pass
-            if self.events[0] in ("SIGINT", "SIGTERM"):
+            if self.events[0] in SIGNALS:
                 return 0
             print(f"error: {self.events[0]}", file=sys.stderr, flush=True)
             return 1
@@ -537,9 +565,10 @@ def frontend_main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=listen_fd)
     parent = os.getppid()
 
-    def watch_parent() -> None:  # the launcher killed (kill -9): no frontend is left behind
+    def watch_parent() -> None:  # the launcher killed (kill -9): no frontend, no metrics file left behind
         while os.getppid() == parent:
             time.sleep(0.2)
+        shutil.rmtree(os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""), ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch_parent, daemon=True).start()
@@ -547,7 +576,8 @@ def frontend_main(argv: list[str] | None = None) -> int:
         addresses = addresses_for(args, args.socket_dir)
         engine_core = AsyncMPClient(None, index, count, addresses, cores, args.dp_routing)
     except (ValueError, TypeError, ConnectionError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if index == 0 or isinstance(e, OSError):  # a core's error reaches every frontend: said once
+            print(f"error: {e}", file=sys.stderr)
         return 2
     os.write(ready_fd, b"1")
     os.close(ready_fd)

@@ -158,7 +158,7 @@ class AsyncEngine:
         carried none of this frontend's outputs lately."""
         self.client.read_loads()
         for engine, s in enumerate(self.client.stats_of):
-            if s.num_steps > self.stats_of[engine].num_steps:
+            if s.num_steps >= self.stats_of[engine].num_steps:  # an abort moves them without a step
                 self._publish(engine, s, stepped=False)
 
     def abort(self, request_ids: list[str]) -> None:

@@ -193,6 +193,14 @@ def tell_dead(addresses: list[str], message: str) -> None:
     context.term()
 
 
+def _bind(sock: zmq.Socket, address: str) -> None:
+    """``sock.bind(address)``; raises OSError naming the address (a TCP port in use, or not a port)."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        raise OSError(f"cannot bind {address}: {e.strerror}") from None
+
+
 class EngineCoreProcs:
     """The engine core processes of ``engine_args`` (``data_parallel_size``; core e on
     ``core_device(e)``) for ``num_clients`` frontends, and the coordinator (coordinator.py) if there are
@@ -342,10 +350,17 @@ class MPClient(EngineCoreClient):
         for engine in range(self.num_engines):
             self.inputs.append(context.socket(zmq.PUSH))
             self.inputs[-1].setsockopt(zmq.SNDHWM, 0)  # queue, never block or drop
-            self.inputs[-1].bind(a.input(client_index, engine))
         self.output = context.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.bind(a.output(client_index))
+        try:
+            for engine, sock in enumerate(self.inputs):
+                _bind(sock, a.input(client_index, engine))
+            _bind(self.output, a.output(client_index))
+        except OSError:
+            for sock in [*self.inputs, self.output]:
+                sock.close(linger=0)
+            context.term()
+            raise
         self.output_address = a.output(client_index)
         self.loads = None  # the coordinator's publications (several frontends)
         if num_clients > 1:

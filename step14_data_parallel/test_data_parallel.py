@@ -249,6 +249,11 @@ class Cli:
         return [self.proc.pid, *self.core_pids, *self.frontend_pids]
 
     def stop(self) -> None:
+        """SIGTERM to the parent (it removes its directories), then SIGKILL to whatever is left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(SAFETY_NET_S)
         for pid in self.pids():
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
@@ -387,6 +392,22 @@ def test_a_frontend_killed_or_a_signal_stops_every_process(demo_snapshot, how):
         cli.stop()
     assert cli.proc.returncode == (0 if how == "SIGTERM" else 1), err
     assert not os.path.exists(cli.socket_dir) and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_cores_that_cannot_start_say_why_once_and_exit_2(demo_snapshot):
+    """Two frontends, two cores, a pool too large: each core tells each frontend; one line, exit 2."""
+    proc = subprocess.run(
+        [sys.executable, "-m", __package__, "--model", str(demo_snapshot), "--port", "0"]
+        + ["--api-server-count", "2", "--data-parallel-size", "2", "--num-kv-blocks", str(10**9)],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=SAFETY_NET_S,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: num_kv_blocks=") and "the KV cache would need" in line, line
 
 
 def test_a_port_in_use_is_one_line_and_exit_2(demo_snapshot):
