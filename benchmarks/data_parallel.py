@@ -6,6 +6,7 @@ tok/s (first send to last token), TTFT and ITL percentiles, the frontends' CPU t
 (``/proc``: user + system of every frontend process over the point).
 
     python -m benchmarks data_parallel --device cuda --runs 1
+    python -m benchmarks data_parallel --runs 2         # CPU, the demo: 4 and 16 streams, 64 tokens
     python -m benchmarks data_parallel --quick          # CPU, the demo, 1 run, short requests
 """
 
@@ -34,6 +35,8 @@ CLIENTS = 16  # load processes
 ROUNDS, MIN_REQUESTS = 2, 8  # requests per point: max(ROUNDS x streams, MIN_REQUESTS)
 PROMPT_TOKENS, MAX_TOKENS = 32, 128
 TOKEN_ID_SEED = 4000
+# on a CPU (the demo): what a 2-core machine can run in a few minutes
+CPU = {"streams": [4, 16], "max_tokens": 64, "configs": [(1, 1), (2, 1), (1, 2), (2, 2)], "clients": 4}
 QUICK = {"streams": [4, 8], "prompt_tokens": 16, "max_tokens": 16, "configs": [(1, 1), (2, 2)], "clients": 4}
 
 
@@ -43,7 +46,7 @@ def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAU
     cuda = device.startswith("cuda")
     models = models or (DEFAULT_MODELS if cuda else ["demo"])
     dtype = "float16" if cuda else "float32"
-    q = QUICK if quick else {}
+    q = QUICK if quick else ({} if cuda else CPU)
     streams, configs = q.get("streams", STREAMS), q.get("configs", CONFIGS)
     lengths = (q.get("prompt_tokens", PROMPT_TOKENS), q.get("max_tokens", MAX_TOKENS))
     clients = q.get("clients", CLIENTS)
