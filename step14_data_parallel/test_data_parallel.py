@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 import step13_chunked_prefill
 
@@ -506,3 +507,32 @@ def test_a_headless_core_that_reaches_no_frontend_says_so(demo_snapshot):
     assert proc.stderr.strip() == (
         f"error: no frontend answered at tcp://127.0.0.1:{port} within 0.5 s (Connection refused)"
     )
+
+
+# ---- on a GPU: `pytest -m gpu step14_data_parallel` (skipped without CUDA) --------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_two_cores_on_one_device_give_step13s_ids(demo_snapshot, dtype="float32"):
+    """Two cores on cuda:0 (each its own pool, CUDA graphs, async scheduling, Triton kernels): the greedy
+    ids of step 13 on the same device, both cores used; a bare ``cuda`` with more cores than GPUs is
+    refused, naming both numbers."""
+    args = dict(model=str(demo_snapshot), dtype=dtype, block_size=16)
+    prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(16)]
+    oracle = step13_chunked_prefill.LLM(device="cuda", **args)
+    want = [
+        o.outputs[0].token_ids
+        for o in oracle.generate(prompts, step13_chunked_prefill.SamplingParams(max_tokens=32, temperature=0))
+    ]
+    del oracle
+    llm = LLM(device="cuda:0", data_parallel_size=2, **args)
+    try:
+        got = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0))
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert min(llm.engine_core.sent) > 0 and llm.stats.num_running_reqs == 0
+    finally:
+        llm.engine_core.shutdown()
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"data_parallel_size={too_many}: .* has {too_many - 1} CUDA"):
+        EngineArgs(model=str(demo_snapshot), device="cuda", data_parallel_size=too_many)
