@@ -17,13 +17,10 @@ import asyncio
 import contextlib
 import errno
 import os
-import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -33,13 +30,13 @@ try:  # torch and the web stack load here: Ctrl-C meanwhile exits quietly with 1
     from .api_server import DEFAULT_MAX_BODY_BYTES, SMALLEST_BODY, build_app
     from .async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, ServerShuttingDown, describe_features
     from .config import EngineArgs
-    from .core_client import Addresses, AsyncMPClient, EngineCoreProcs, tell_dead
+    from .core_client import AsyncMPClient
+    from .launcher import Headless, Launcher, addresses_for
 except KeyboardInterrupt:
     print(file=sys.stderr)
     sys.exit(130)
 
 DEFAULT_GRACE_S = 2.0  # after a signal, how long open requests may take to finish before they are ended
-SIGNALS = {"SIGINT", "SIGTERM"}  # the signals that stop the server, by name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -290,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         sock = bind(args.host, args.port)  # first: a busy port is reported before a model loads for nothing
         engine_args = EngineArgs.from_cli_args(args)
         if args.api_server_count > 1 or args.data_parallel_size_local < args.data_parallel_size:
-            return Launcher(args, engine_args, sock).run()
+            return Launcher(args, engine_args, sock, announce).run()
         engine_core = AsyncMPClient(engine_args)
     except (ValueError, TypeError, ConnectionError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -356,199 +353,6 @@ def announce(args, sock: socket.socket, features: dict, core_pids: list[int], so
         f'-d \'{{"model": "{name}", "prompt": "The Python interpreter", "max_tokens": 32, "stream": true}}\'',
         flush=True,
     )
-
-
-class Launcher:
-    """Several frontends (``--api-server-count N``): this process binds the port once, starts the engine
-    cores and the coordinator (``EngineCoreProcs``) and N frontend processes that inherit the listening
-    socket (the kernel hands each connection to one of them: no port race, vllm #40443), prints the URL
-    once every frontend is ready, and watches them all: a core that dies is told to every frontend (its
-    streams end with an error event, ``/health`` 503, it exits 1); a frontend that exits stops the rest;
-    SIGINT or SIGTERM is passed to the frontends (each ends its streams after the grace period), then the
-    cores stop. Exit status: 0 after a signal, 1 if a core or frontend died, 2 if one failed to start.
-    Prometheus's multiprocess directory and the socket directory are removed at exit."""
-
-    def __init__(self, args: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket):
-        self.args, self.engine_args, self.sock = args, engine_args, sock
-        self.count = args.api_server_count
-        self.socket_dir = tempfile.mkdtemp(prefix="engine-core-")  # mode 0700
-        self.metrics_dir = tempfile.mkdtemp(prefix="metrics-")
-        self.events: list[str] = []  # why to stop: a signal's name, or a death
-        self.wake = threading.Event()
-        self.frontends: list[subprocess.Popen] = []
-        self.procs: EngineCoreProcs | None = None
-        self.death: str | None = None  # a core's or the coordinator's death, as its monitor said
-
-    def stop_on(self, why: str) -> None:
-        self.events.append(why)
-        self.wake.set()
-
-    def run(self) -> int:
-        previous = {
-            s: signal.signal(s, lambda n, f: self.stop_on(signal.Signals(n).name))
-            for s in (signal.SIGINT, signal.SIGTERM)
-        }
-        try:
-            return self._run()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            _stop_all(self.frontends)
-            if self.procs is not None:
-                self.procs.shutdown()
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
-
-    def _run(self) -> int:
-        a = addresses_for(self.args, self.socket_dir)
-        self.procs = EngineCoreProcs(
-            self.engine_args, self.count, a, range(self.args.data_parallel_size_local)
-        )
-        self.outputs = [a.output(j) for j in range(self.count)]
-        if a.tcp is not None:
-            remote = self.args.data_parallel_size - self.args.data_parallel_size_local
-            print(f"waiting for {remote} headless engine core(s) to connect to {a.output(0)} ...", flush=True)
-        self.procs.watch(self.core_died)  # the frontends end their streams, then exit 1
-        ready_r, ready_w = os.pipe()
-        fd = self.sock.fileno()
-        env = {**self.procs.env, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
-        code = f"import sys; from {__package__}.__main__ import frontend_main; sys.exit(frontend_main())"
-        for j in range(self.count):
-            hidden = ["--frontend", f"{j},{self.count},{self.engine_args.data_parallel_size}"]
-            hidden += ["--frontend-fds", f"{fd},{ready_w}", "--socket-dir", self.socket_dir]
-            self.frontends.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code, *sys.argv[1:], *hidden],
-                    env=env,
-                    pass_fds=(fd, ready_w),
-                    start_new_session=True,
-                )
-            )
-        os.close(ready_w)
-        for j, proc in enumerate(self.frontends):
-            threading.Thread(target=self._watch, args=(j, proc), daemon=True).start()
-        ready = 0
-        while ready < self.count and not self.events:  # each frontend writes one byte once it serves
-            if select.select([ready_r], [], [], 0.1)[0]:
-                chunk = os.read(ready_r, self.count)
-                if not chunk:  # EOF: every frontend is gone (its watch thread says how)
-                    self.wake.wait()
-                ready += len(chunk)
-        os.close(ready_r)
-        if ready == self.count and not self.events:
-            features = {"data_parallel_size": self.engine_args.data_parallel_size, "api_servers": self.count}
-            cores = [p.pid for p, name in zip(self.procs.procs, self.procs.names) if name != "coordinator"]
-            announce(self.args, self.sock, features, cores, self.socket_dir)
-            print(f"api servers: pid {', '.join(str(p.pid) for p in self.frontends)}", flush=True)
-        while not self.wake.wait(0.5):
-            pass
-        why = self.events[0]
-        forwarded, deadline = 0, time.monotonic() + self.args.timeout_graceful_shutdown + 10
-        while any(p.poll() is None for p in self.frontends) and time.monotonic() < deadline:
-            received = sum(e in SIGNALS for e in self.events)
-            while forwarded < max(received, 1):  # each ends its streams (a second signal: at once)
-                for proc in self.frontends:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(signal.SIGTERM)
-                forwarded += 1
-            time.sleep(0.05)
-        if why in SIGNALS:
-            return 130 if sum(e in SIGNALS for e in self.events) > 1 else 0
-        if ready < self.count and any(p.poll() == 2 for p in self.frontends):
-            return 2  # a frontend could not start: it said why
-        print(f"error: {self.death or why}; the server stops (exit status 1)", file=sys.stderr, flush=True)
-        return 1
-
-    def core_died(self, message: str) -> None:
-        """A monitor's word (a thread): tell every frontend, which ends its streams and exits 1."""
-        self.death = message
-        tell_dead(self.outputs, message)
-
-    def _watch(self, j: int, proc: subprocess.Popen) -> None:
-        status = proc.wait()
-        if not self.events:
-            how = (
-                f"killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
-            )
-            self.stop_on(f"API server {j} (pid {proc.pid}) {how}")
-
-
-def addresses_for(args: argparse.Namespace, socket_dir: str) -> Addresses:
-    """The sockets of a server of these flags: TCP when some cores run on other machines, else ipc."""
-    tcp = None
-    if args.headless or args.data_parallel_size_local < args.data_parallel_size:
-        tcp = (args.data_parallel_address, args.data_parallel_rpc_port)
-    return Addresses(socket_dir, tcp, args.api_server_count, args.data_parallel_size)
-
-
-class Headless:
-    """``--headless``: run engine cores only (``--data-parallel-size-local`` of them from
-    ``--data-parallel-start-rank``), which connect over TCP to the frontends at ``--data-parallel-address``
-    (the same ``--api-server-count``, ``--data-parallel-size`` and port as theirs). First checks that the
-    frontends' first port answers, for at most ``--data-parallel-connect-timeout`` seconds (else one line,
-    exit 1); then runs until a signal (exit 0) or a core's exit (exit 1)."""
-
-    def __init__(self, args: argparse.Namespace, engine_args: EngineArgs):
-        self.args, self.engine_args = args, engine_args
-        self.socket_dir = tempfile.mkdtemp(prefix="engine-core-")
-        self.events: list[str] = []
-        self.wake = threading.Event()
-
-    def stop_on(self, why: str) -> None:
-        self.events.append(why)
-        self.wake.set()
-
-    def run(self) -> int:
-        previous = {
-            s: signal.signal(s, lambda n, f: self.stop_on(signal.Signals(n).name))
-            for s in (signal.SIGINT, signal.SIGTERM)
-        }
-        procs = None
-        try:
-            a = addresses_for(self.args, self.socket_dir)
-            if not self.reach(a.output(0)):
-                return 1
-            start = self.args.data_parallel_start_rank
-            ranks = range(start, start + self.args.data_parallel_size_local)
-            procs = EngineCoreProcs(self.engine_args, self.args.api_server_count, a, ranks)
-            procs.watch(self.stop_on)
-            pids = ", ".join(str(p.pid) for p in procs.procs)
-            print(f"headless: engine cores {list(ranks)} (pid {pids}) serving the frontends at {a.output(0)}")
-            while not self.wake.wait(0.5):
-                pass
-            if self.events[0] in SIGNALS:
-                return 0
-            print(f"error: {self.events[0]}", file=sys.stderr, flush=True)
-            return 1
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            if procs is not None:
-                procs.shutdown()
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-    def reach(self, address: str) -> bool:
-        """Whether the frontends' first TCP port accepts a connection within the timeout (tried every
-        0.2 s); if not, says so in one line."""
-        host, port = address[len("tcp://") :].rsplit(":", 1)
-        timeout = self.args.data_parallel_connect_timeout
-        deadline, error = time.monotonic() + timeout, None
-        while time.monotonic() < deadline and not self.events:
-            try:
-                socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
-                return True
-            except OSError as e:
-                error = e.strerror or str(e)
-                time.sleep(0.2)
-        print(f"error: no frontend answered at {address} within {timeout:g} s ({error})", file=sys.stderr)
-        return False
-
-
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 def frontend_main(argv: list[str] | None = None) -> int:

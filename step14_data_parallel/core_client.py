@@ -1,37 +1,29 @@
 """The frontend's side of the engine cores: start them, send them requests and aborts, read their outputs,
 notice at once when one dies (vLLM's ``EngineCoreClient``): ``InprocClient`` (one core in this process,
 called directly: ``LLM`` on a CPU), ``SyncMPClient`` (in child processes, for ``LLM``), ``AsyncMPClient``
-(the same for the server's event loop, zmq.asyncio). ``EngineCoreProcs`` starts the cores (and, for
-several frontends, the coordinator) with their arguments as JSON, each in a session of its own; its
-monitor threads wait on them. A client binds one PUSH socket per core and one PULL for every core's
-outputs (``ipc://`` in a private directory: ``mkdtemp``, mode 0700), awaits each core's
-``EngineCoreReady``, and sends each new request to the core with the lowest ``waiting * 4 + running``.
-A client is dead from a core's last word (``EngineCoreDead``), a send it cannot take, or a monitor's word
-that a core died unasked (``kill -9``; vllm #21728). The MP clients are not thread-safe.
+(the same for the server's event loop, zmq.asyncio). A client that starts its cores does so with
+``launcher.EngineCoreProcs``. It binds one PUSH socket per core and one PULL for every core's outputs
+(``ipc://`` in a private directory: ``mkdtemp``, mode 0700), awaits each core's ``EngineCoreReady``, and
+sends each new request to the core with the lowest ``waiting * 4 + running``. A client is dead from a
+core's last word (``EngineCoreDead``), a send it cannot take, or a monitor's word that a core died unasked
+(``kill -9``; vllm #21728). The MP clients are not thread-safe.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from .config import EngineArgs
 from .engine_core import EngineCore
+from .launcher import Addresses, EngineCoreProcs, tell_dead
 from .messages import (
     EngineCoreAbort,
     EngineCoreDead,
@@ -42,29 +34,11 @@ from .messages import (
     input_encoder,
     loads_decoder,
     output_decoder,
-    output_encoder,
 )
 
 PREFIX_SLACK = 4 * 8  # --dp-routing prefix: a core's score may exceed the lowest by this (8 waiting)
 PREFIX_ROUTES = 1 << 16  # --dp-routing prefix: the first blocks remembered (the oldest forgotten first)
-SHUTDOWN_TIMEOUT_S = 5.0  # how long a SIGTERM'd core may take to stop before it is killed
 STARTUP_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "ConnectionError": ConnectionError}
-
-
-def core_args(args: EngineArgs, engine: int = 0) -> str:
-    """``args`` as JSON, for core ``engine``'s process to make them again as this process resolved them:
-    the model as its snapshot folder (no second lookup), the pool as its number of blocks, its device
-    (``core_device``), one core."""
-    given = {arg.name: getattr(args, arg.name) for arg in dataclasses.fields(args) if arg.init}
-    return json.dumps(
-        {
-            **given,
-            "model": str(args.folder),
-            "kv_cache_memory": None,
-            "device": args.core_device(engine),
-            "data_parallel_size": 1,
-        }
-    )
 
 
 class EngineDeadError(RuntimeError):
@@ -126,164 +100,12 @@ class InprocClient(EngineCoreClient):
         return True
 
 
-class Addresses:
-    """The sockets of one server: client c binds ``input(c, e)`` (its PUSH to core e) and ``output(c)`` (its
-    PULL from every core); the coordinator binds ``loads`` and ``publish``. ``ipc://`` files in
-    ``socket_dir`` (private: mode 0700), or, with ``tcp=(host, port)`` (cores on other machines:
-    ``--headless``), ports from ``port`` on: client c's output at ``port + c * (M + 1)``, its inputs after
-    it, then the coordinator's two, for ``num_clients`` clients and ``num_engines`` cores (M)."""
-
-    def __init__(
-        self,
-        socket_dir: str,
-        tcp: tuple[str, int] | None = None,
-        num_clients: int = 1,
-        num_engines: int = 1,
-    ):
-        self.socket_dir, self.tcp = socket_dir, tcp
-        self.num_clients, self.num_engines = num_clients, num_engines
-
-    def _at(self, name: str, offset: int) -> str:
-        if self.tcp is None:
-            return f"ipc://{os.path.join(self.socket_dir, name)}"
-        host, port = self.tcp
-        return f"tcp://{f'[{host}]' if ':' in host else host}:{port + offset}"
-
-    def input(self, client: int, engine: int) -> str:
-        return self._at(f"input-{client}-{engine}", client * (self.num_engines + 1) + 1 + engine)
-
-    def output(self, client: int) -> str:
-        return self._at(f"output-{client}", client * (self.num_engines + 1))
-
-    @property
-    def loads(self) -> str:
-        return self._at("loads", self.num_clients * (self.num_engines + 1))
-
-    @property
-    def publish(self) -> str:
-        return self._at("publish", self.num_clients * (self.num_engines + 1) + 1)
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each process, then SIGKILL to those still running after ``SHUTDOWN_TIMEOUT_S``."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def tell_dead(addresses: list[str], message: str) -> None:
-    """Send ``EngineCoreDead(message)`` to the frontends reading ``addresses``, for a core that died without
-    a word; a frontend gone meanwhile is skipped."""
-    context = zmq.Context()
-    frame = output_encoder().encode(EngineCoreDead("EngineDeadError", message))
-    for address in addresses:
-        wake = context.socket(zmq.PUSH)
-        try:
-            wake.connect(address)
-            wake.send(frame)
-        except zmq.ZMQError:  # shut down meanwhile: nobody is waiting
-            pass
-        wake.close(linger=1000)
-    context.term()
-
-
 def _bind(sock: zmq.Socket, address: str) -> None:
     """``sock.bind(address)``; raises OSError naming the address (a TCP port in use, or not a port)."""
     try:
         sock.bind(address)
     except zmq.ZMQError as e:
         raise OSError(f"cannot bind {address}: {e.strerror}") from None
-
-
-class EngineCoreProcs:
-    """The engine core processes of ``engine_args`` (``data_parallel_size``; core e on
-    ``core_device(e)``) for ``num_clients`` frontends, and the coordinator (coordinator.py) if there are
-    several frontends, each in a session of its own (a terminal's Ctrl-C reaches the frontends only), each
-    exiting when this process dies. ``watch(on_death)`` calls ``on_death(message)`` from a thread when one
-    exits unasked; ``shutdown`` stops them all (SIGTERM, then SIGKILL). Raises nothing itself: a core that
-    fails to start says why to the frontends."""
-
-    # what a child runs (python -c; not -m: the package, imported first, would import the module twice)
-    entry = "import sys; from {package}.{module} import main; sys.exit(main())"
-
-    def __init__(
-        self,
-        engine_args: EngineArgs,
-        num_clients: int,
-        addresses: Addresses,
-        ranks: range | None = None,
-    ):
-        a, cores = addresses, engine_args.data_parallel_size
-        ranks = range(cores) if ranks is None else ranks  # the cores this machine runs (--headless: some)
-        self.closing = threading.Event()  # shutdown asked for: an exit is no death
-        self.procs: list[subprocess.Popen] = []
-        self.names: list[str] = []
-        root = str(Path(__file__).resolve().parent.parent)  # the folder holding this package and common/
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-        }
-        common = ["--parent-pid", str(os.getpid()), "--socket-dir", a.socket_dir]
-        try:
-            if num_clients > 1 and 0 in ranks:  # the coordinator lives with the frontends and core 0
-                argv = [*common, "--loads", a.loads, "--publish", a.publish, "--engines", str(cores)]
-                self._start("coordinator", "coordinator", argv)
-            for local, engine in enumerate(ranks):  # on this machine's devices from cuda:0 (a bare cuda)
-                argv = [
-                    *common,
-                    "--engine-args",
-                    core_args(engine_args, local),
-                    "--engine-index",
-                    str(engine),
-                ]
-                for client in range(num_clients):
-                    argv += ["--input", a.input(client, engine), "--output", a.output(client)]
-                if num_clients > 1:
-                    argv += ["--coordinator", a.loads]
-                self._start("engine core" if cores == 1 else f"engine core {engine}", "engine_core", argv)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def _start(self, name: str, module: str, argv: list[str]) -> None:
-        code = self.entry.format(package=__package__, module=module)
-        self.procs.append(
-            subprocess.Popen([sys.executable, "-c", code, *argv], env=self.env, start_new_session=True)
-        )
-        self.names.append(name)
-
-    def exited(self) -> str | None:
-        """How the first process to have exited did, or None while all run."""
-        for proc, name in zip(self.procs, self.names):
-            if proc.poll() is not None:
-                return f"the {name} process exited with status {proc.returncode}"
-        return None
-
-    def watch(self, on_death: Callable[[str], None]) -> None:
-        """A daemon thread per process: if it exits and shutdown did not ask for it, ``on_death`` (once)."""
-        told = threading.Lock()
-
-        def wait(proc: subprocess.Popen, name: str) -> None:
-            status = proc.wait()
-            if self.closing.is_set() or not told.acquire(blocking=False):
-                return
-            how = f"exited with status {status}"
-            if status < 0:
-                how = f"killed by {signal.Signals(-status).name}"
-            on_death(f"the {name} process (pid {proc.pid}) {how}")
-
-        for proc, name in zip(self.procs, self.names):
-            threading.Thread(target=wait, args=(proc, name), name=f"{name} monitor", daemon=True).start()
-
-    def shutdown(self) -> None:
-        self.closing.set()
-        _stop(self.procs)
 
 
 class BackgroundResources:
@@ -521,8 +343,8 @@ class MPClient(EngineCoreClient):
         raise RuntimeError(f"unexpected message from the engine core: {type(message).__name__}")
 
     def shutdown(self) -> None:
-        """Stop the cores this client started and remove their sockets (at most ``SHUTDOWN_TIMEOUT_S``
-        plus a kill); a launched frontend closes its own sockets only."""
+        """Stop the cores this client started and remove their sockets (at most
+        ``launcher.SHUTDOWN_TIMEOUT_S`` plus a kill); a launched frontend closes its own sockets only."""
         self._finalizer()
 
 

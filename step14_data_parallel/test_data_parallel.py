@@ -32,7 +32,7 @@ import torch
 import step13_chunked_prefill
 
 from .config import EngineArgs
-from .core_client import Addresses
+from .launcher import Addresses
 from .llm import LLM
 from .messages import SchedulerStats, merge_stats
 from .sampling_params import SamplingParams
@@ -168,6 +168,53 @@ def test_tcp_addresses_take_consecutive_ports():
     ]
     assert (a.loads, a.publish) == ("tcp://10.0.0.1:5008", "tcp://10.0.0.1:5009")
     assert Addresses("/run/x").output(0) == "ipc:///run/x/output-0"
+
+
+def test_the_coordinator_publishes_every_cores_latest_stats(tmp_path):
+    """Two cores' stats in, one publication of both out, the newest of each; a frontend that subscribes
+    late gets them within a heartbeat."""
+    import zmq
+
+    from .coordinator import HEARTBEAT_S
+    from .messages import EngineCoreLoad, loads_decoder, output_encoder
+
+    a = Addresses(str(tmp_path), num_engines=2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"{__package__}.coordinator", "--loads", a.loads, "--publish", a.publish]
+        + ["--engines", "2", "--parent-pid", str(os.getpid()), "--socket-dir", str(tmp_path)],
+        cwd=Path(__file__).parent.parent,
+    )
+    context = zmq.Context()
+    try:
+        push, sub = context.socket(zmq.PUSH), context.socket(zmq.SUB)
+        push.connect(a.loads)
+        idle = SchedulerStats(0, 0, 0.0, 0, 10, 0, 0, 0, 0, 0, 0, 0, 0)
+        for engine, running in ((0, 1), (1, 2), (0, 3)):
+            push.send(
+                output_encoder().encode(
+                    EngineCoreLoad(
+                        engine,
+                        SchedulerStats(
+                            **{
+                                **{f: getattr(idle, f) for f in idle.__struct_fields__},
+                                "num_running_reqs": running,
+                            }
+                        ),
+                    )
+                )
+            )
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(a.publish)  # after the loads: only the heartbeat can reach it
+        seen = []  # publications until one holds both cores' newest (an earlier one may hold fewer)
+        while not seen or seen[-1] != [3, 2]:
+            assert sub.poll(int(1000 * (SAFETY_NET_S + HEARTBEAT_S))), seen
+            published = loads_decoder().decode(sub.recv())
+            seen.append([s and s.num_running_reqs for s in published.stats])
+        assert all(s in ([1, None], [3, None], [1, 2], [3, 2]) for s in seen), seen
+    finally:
+        context.destroy(linger=0)
+        proc.terminate()
+        assert proc.wait(SAFETY_NET_S) == 0
 
 
 def test_data_parallel_arguments_are_checked(demo_snapshot):

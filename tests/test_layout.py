@@ -388,6 +388,7 @@ FRONTEND_FILES = [
     "serving_engine.py",
 ]
 SHARED_FILES = ["config.py", "messages.py", "outputs.py", "processor.py", "sampling_params.py"]
+LATER_FRONTEND_FILES = ["launcher.py"]  # step 14 on: the processes of a server (started from the frontend)
 CORE_CROSSINGS = {
     "core_client.py": {"engine_core"},
     "config.py": {"block_manager", "kv_cache", "model", "spec_decode"},
@@ -397,7 +398,7 @@ ENGINE_CORE_STEPS = [s for s in STEPS if (s / "engine_core.py").is_file()]
 
 def core_imports(folder: Path) -> dict[str, list[str]]:
     """The core files that each frontend or shared file of ``folder`` imports beyond its named crossing."""
-    ours = FRONTEND_FILES + SHARED_FILES
+    ours = FRONTEND_FILES + SHARED_FILES + [n for n in LATER_FRONTEND_FILES if (folder / n).is_file()]
     core = {p.stem for p in folder.glob("*.py") if p.name not in ours and not p.name.startswith("test_")}
     found = {}
     for name in ours:
