@@ -94,6 +94,11 @@ BENCHMARKS = {
         "14",
         "N frontends and M engine cores behind one port: tok/s, TTFT, ITL at 16-512 streams vs in process",
     ),
+    "tensor_parallel": (
+        "benchmarks.tensor_parallel",
+        "15",
+        "what t ranks cost and buy: tok/s at t = 1, 2, the all-reduces per step and their time; a cost model",
+    ),
     "ladder": (
         "benchmarks.ladder",
         "5-13",

@@ -217,6 +217,14 @@ def load_safetensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     memory-mapped from the files by safetensors and copied once, when a step moves them to its own
     parameters. Raises ValueError if a shard named by the index is missing or a file is not safetensors.
     """
+    return {name: tensor[:] for name, tensor in open_safetensors(folder).items()}
+
+
+def open_safetensors(folder: str | os.PathLike) -> dict:
+    """Every tensor of a snapshot as a safetensors slice, by its Hugging Face name: nothing is read until
+    it is indexed (``slice[:]``: the whole tensor; ``slice[:, a:b]``: those columns only, as a tensor;
+    ``get_shape()``: its shape), so that a rank of tensor parallelism reads only its shards (step 15).
+    The files named as ``load_safetensors`` reads them; raises ValueError as it does."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -227,14 +235,14 @@ def load_safetensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         shards = sorted(set(weight_map.values()))
     else:
         shards = ["model.safetensors"]
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict = {}
     for shard in shards:
         if not (folder / shard).is_file():
             raise ValueError(f"{folder}: shard {shard} named in {index.name} is missing")
         try:
-            with safe_open(folder / shard, framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+            f = safe_open(folder / shard, framework="pt")  # open while its slices live
+            for name in f.keys():
+                tensors[name] = f.get_slice(name)
         except SafetensorError as e:
             raise ValueError(f"{folder / shard}: not a readable safetensors file ({e})") from None
     return tensors

@@ -185,6 +185,8 @@ def run_engine_core(input_address: str, output_address: str, engine_args: dict) 
         except ShutdownRequested:
             raise
         except Exception as e:  # noqa: BLE001 -- any failure to start is reported, then the exit status says it
+            for sig in (signal.SIGTERM, signal.SIGINT):  # it exits with its last word: no signal cuts in
+                signal.signal(sig, signal.SIG_IGN)
             if not isinstance(e, EXPECTED_STARTUP_ERRORS):
                 traceback.print_exc()
             outputs.send(encoder.encode(EngineCoreDead(type(e).__name__, str(e), during_startup=True)))

@@ -1,5 +1,5 @@
-"""Step 13: chunked prefill: one token budget per step, the running requests' tokens first, then prompts in
-chunks (a long prompt over several steps, beside the decodes), on top of step 12."""
+"""Step 14: data parallelism: several engine cores (each with its own KV pool) and several frontend
+processes behind one port, a new request routed to the least loaded core, on top of step 13."""
 
 import importlib
 

@@ -258,6 +258,8 @@ def run_engine_core(
         except ShutdownRequested:
             raise
         except Exception as e:  # noqa: BLE001 -- any failure to start is reported, then the exit status says it
+            for sig in (signal.SIGTERM, signal.SIGINT):  # it exits with its last word: no signal cuts in
+                signal.signal(sig, signal.SIG_IGN)
             if not isinstance(e, EXPECTED_STARTUP_ERRORS):
                 traceback.print_exc()
             tell_all(EngineCoreDead(type(e).__name__, str(e), during_startup=True))

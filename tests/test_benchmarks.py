@@ -24,6 +24,7 @@ from benchmarks import (
     quantized_kv,
     server_overhead,
     static_batch,
+    tensor_parallel,
 )
 from benchmarks.lib import harness, load, workloads
 from benchmarks.lib.models import GPT2_VOCAB_SIZE, write_random_snapshot, write_synthetic_vocab
@@ -662,6 +663,48 @@ def test_chunked_prefill_benchmark_runs_each_part_on_every_engine(demo_snapshot,
     assert point["ratio"]["per_run"] == pytest.approx([a["tok_per_s"] / b["tok_per_s"]])
     assert 0 < a["eager_share"] <= 1 and b["eager_share"] is None
     assert "fully prefilled vs step 12" in chunked_prefill.report(written)
+
+
+def test_tensor_parallel_benchmark_counts_the_collectives_of_a_decode_step(tiny_model, tmp_path):
+    """On a CPU, --quick sizes: step 14, step 15 at t = 1 and at t = 2 (a worker process, gloo) alternated
+    at each batch size, every request its exact tokens; rank 0's profile of a decode step at t = 2 finds
+    an all-reduce per row-parallel layer and one for the embedding (2 n_layer + 1), the logits' all-gather
+    and the step's broadcast; the cost model's GPT-2 124M is GPT-2's parameter count."""
+    sizes = tensor_parallel.SIZES["quick"]
+    result = tensor_parallel.run([tiny_model], "cpu", 1, sizes, quick=True, out_dir=tmp_path)
+    written = json.loads((tmp_path / "quick" / "tensor_parallel-cpu.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "quick" / "tensor_parallel-cpu.png").stat().st_size > 0
+    model = written["models"][harness.portable(tiny_model)]
+    assert model["tp_sizes"] == [1, 2] and list(model["rounds"]) == ["2"]
+    (round_,) = model["rounds"].values()
+    assert list(round_["points"]) == [str(b) for b in sizes["batches"]]
+    for point in round_["points"].values():
+        assert set(point["runs"]) == {"step14", "tp1", "tp2"}
+        for (run,) in point["runs"].values():
+            assert run["generated_tokens"] == point["batch"] * sizes["max_tokens"] and run["tok_per_s"] > 0
+        (a,), (b,) = point["runs"]["tp2"], point["runs"]["tp1"]
+        assert point["ratios"]["tp2/tp1"]["per_run"] == pytest.approx([a["tok_per_s"] / b["tok_per_s"]])
+        assert point["ratios"]["tp1/step14"]["median"] > 0
+
+    profile = round_["profile"]
+    n_layer = model["n_layer"]
+    assert n_layer == 2 and profile["batch"] == sizes["profile"][0]
+    assert profile["expected_allreduce_per_step"] == 2 * n_layer + 1
+    assert profile["allreduce_per_step"] == pytest.approx(2 * n_layer + 1)
+    assert profile["allgather_per_step"] == pytest.approx(1) and profile["broadcast_per_step"] >= 1
+    assert profile["event_names_per_step"]["gloo:all_reduce"] == pytest.approx(2 * n_layer + 1)
+    assert profile["allreduce_ms_per_step"] > 0 and profile["step_ms"] > 0
+    assert 0 < profile["allreduce_share"] < 1
+
+    cost = written["cost_model"]["models"]
+    assert cost["gpt2 (124M)"]["params"] == 124_439_808  # GPT2LMHeadModel's, the tied head counted once
+    for m in cost.values():
+        assert m["allreduce_per_step"] == 2 * m["n_layer"] + 1
+        for x in m["tp"].values():
+            assert x["pays"] == (x["saved_us"] > x["collective_us"]) and x["read_us"] < m["read_us_t1"]
+    assert not cost["gpt2 (124M)"]["tp"]["2"]["pays"]
+    assert "collectives per decode step" in tensor_parallel.report(written)
 
 
 def test_async_scheduling_profile_finds_the_gaps_between_steps(tiny_model, tmp_path):

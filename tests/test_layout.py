@@ -253,6 +253,44 @@ UNCHANGED_FROM_PREVIOUS = {
         "serving_engine.py",
         "spec_decode.py",
     ],
+    # step 15 splits the model over t ranks: the sharded layers (the new parallel_layers.py), the group and
+    # each step's broadcast (the new parallel_state.py), the workers (the new worker.py), the model, the
+    # runner (a step as a plan the workers follow), the engine (rank 0), the argument (config.py) and the
+    # features line (engine_core.py) change; the scheduler, the pool, the kernels and the server stay
+    "step15_tensor_parallel": [
+        "__main__.py",
+        "api_server.py",
+        "async_engine.py",
+        "block_manager.py",
+        "coordinator.py",
+        "cuda_graph.py",
+        "draft_model.py",
+        "input_batch.py",
+        "kernels.py",
+        "kv_cache.py",
+        "kv_quant.py",
+        "kv_write.py",
+        "launcher.py",
+        "llm.py",
+        "messages.py",
+        "metrics.py",
+        "ngram_proposer.py",
+        "output_processor.py",
+        "outputs.py",
+        "parallel_sampling.py",
+        "processor.py",
+        "protocol.py",
+        "rejection_sampler.py",
+        "sampler.py",
+        "sampling_params.py",
+        "scheduler.py",
+        "sequence.py",
+        "serving_chat.py",
+        "serving_completion.py",
+        "serving_engine.py",
+        "spec_decode.py",
+        "static/index.html",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
@@ -265,6 +303,7 @@ MECHANISM_TESTS = {
     "step12_quantized_kv": "test_quantized_kv.py",
     "step13_chunked_prefill": "test_chunked_prefill.py",
     "step14_data_parallel": "test_data_parallel.py",
+    "step15_tensor_parallel": "test_tensor_parallel.py",
 }
 # One file per serving concept, named alike in every generating step (the root README's Layout), so that a
 # diff lands in the file named for its mechanism.
@@ -298,6 +337,7 @@ def test_layout():
         "step12_quantized_kv",
         "step13_chunked_prefill",
         "step14_data_parallel",
+        "step15_tensor_parallel",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
