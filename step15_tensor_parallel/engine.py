@@ -242,13 +242,20 @@ class LLMEngine:
 
     def step(self) -> list[EngineCoreOutput]:
         """``_step``; with tensor parallelism, a collective that failed because a worker died raises
-        RuntimeError naming that worker."""
+        RuntimeError naming that worker, and so does every step after it (or after ``shutdown``)."""
+        if self.workers is None:
+            return self._step()
+        if self.workers.failure is not None:
+            raise RuntimeError(self.workers.failure)
+        self.workers.busy = True
         try:
             return self._step()
         except RuntimeError as e:
-            if self.workers is not None and (dead := self.workers.dead()) is not None:
+            if (dead := self.workers.dead()) is not None:
                 raise RuntimeError(dead) from e
             raise
+        finally:
+            self.workers.busy = False
 
     def _step(self) -> list[EngineCoreOutput]:
         """One iteration: schedule, launch one forward pass over the mixed batch and its sampling, then

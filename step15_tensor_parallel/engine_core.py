@@ -25,6 +25,7 @@ import traceback
 import torch
 import zmq
 
+from . import worker
 from .config import EngineArgs
 from .engine import LLMEngine
 from .messages import (
@@ -229,6 +230,7 @@ def run_engine_core(
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    worker.END_PROCESS_ON_DEATH = True  # a dead tensor-parallel worker ends this process: the server sees it
     threads_line = limit_torch_threads()  # before the engine loads
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)  # fair-queued from every frontend

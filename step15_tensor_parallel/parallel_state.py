@@ -3,14 +3,16 @@ device, joined by torch.distributed, one group with NCCL for CUDA tensors and gl
 only on a CPU). Rank 0 is the engine (it schedules and samples); ranks 1..t-1 are workers (worker.py) that
 run the same forward passes on their shards. The collectives of the sharded model (an all-reduce after each
 row-parallel layer and the embedding, the logits' all-gather) and each step's broadcast (``StepPlan``): its
-host ints on the CPU (gloo), then the input buffer and the sampled ids on the device's backend. The store's
-port: ``MASTER_PORT`` (+ the core's index) if set, else a free one; ``MASTER_ADDR`` else 127.0.0.1.
+host ints on the CPU (gloo), then the input buffer and the sampled ids on the device's backend. Rank 0's
+store listens on ``MASTER_ADDR`` (127.0.0.1) only, at ``MASTER_PORT`` if set, else on a free port.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -19,7 +21,10 @@ import torch.distributed as dist
 
 from common.weights import GPT2Config
 
-STORE_TIMEOUT = timedelta(minutes=10)  # how long a rank waits for the others to join (loading included)
+STORE_TIMEOUT = timedelta(minutes=10)  # how long a worker tries to reach rank 0's store
+# how long a collective may wait: a worker waits for rank 0's next step as long as the server idles (deaths
+# are seen by the processes' watchdogs, not by timeouts)
+GROUP_TIMEOUT = timedelta(days=365)
 # a step's kinds: the forward pass it runs (model_runner.py), the graphs to capture, the end of the workers
 EAGER, DECODE, VERIFY, MIXED, CAPTURE, SHUTDOWN = range(6)
 HEADER = 11  # a plan's fixed part: kind, size, N, S, P, width, max_query_len, its four lists' lengths
@@ -129,9 +134,13 @@ def backend(device: torch.device) -> str:
 
 
 def store_address() -> tuple[str, int]:
-    """Where rank 0's store listens: ``MASTER_ADDR`` (default 127.0.0.1) and ``MASTER_PORT`` (default 0:
-    a free port, which rank 0 passes to its workers)."""
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 0))
+    """Where rank 0's store listens: ``MASTER_ADDR`` (default 127.0.0.1: an address of this machine) and
+    ``MASTER_PORT`` (default, or empty: 0, a free port, which rank 0 passes to its workers). Raises
+    ValueError naming the variable if the port is not a number in 0..65535."""
+    host, port = os.environ.get("MASTER_ADDR") or "127.0.0.1", os.environ.get("MASTER_PORT") or "0"
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"MASTER_PORT={port!r}: must be a port number, 0..65535 (0: a free one)")
+    return host, int(port)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -140,19 +149,45 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def open_store(rank: int, world_size: int, host: str, port: int) -> dist.TCPStore:
-    """Rank 0: open the group's store at ``host:port`` (0: a free port; ``store.port`` says which); a
-    worker: connect to it. Raises ValueError if rank 0 cannot bind the port (in use: give another
-    ``MASTER_PORT``), or if this process already belongs to a torch.distributed group."""
+    """Rank 0: open the group's store on a socket bound to ``host:port`` only (0: a free port;
+    ``store.port`` says which), not on every interface as TCPStore binds its own (vllm #15988: the store
+    has no authentication); a worker: connect to it. Raises ValueError if rank 0 cannot listen there (the
+    port in use, or ``host`` not an address of this machine), or if this process already belongs to a
+    torch.distributed group. With a loopback ``host``, gloo and NCCL are kept on the loopback too."""
     if dist.is_initialized():
         raise ValueError("tensor_parallel_size > 1: this process already has a torch.distributed group")
+    if is_loopback(host):  # read when each rank joins; a worker inherits them
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    listener = None
     try:
-        return dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT, wait_for_workers=False
+        if rank == 0:
+            listener = socket.create_server((host, port))
+            port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=STORE_TIMEOUT,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach() if listener else None,  # the store's now
         )
     except (RuntimeError, OSError) as e:  # torch's DistStoreError and DistNetworkError are RuntimeErrors
+        where = "listen" if rank == 0 else "reach rank 0's store"
         raise ValueError(
-            f"tensor parallelism: cannot open the group's store at {host}:{port} ({e})"
+            f"tensor parallelism: cannot {where} at {host}:{port} ({e}); MASTER_ADDR must be an address of "
+            "this machine, and MASTER_PORT a free port (or unset)"
         ) from None
+    return store
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def join_group(rank: int, world_size: int, device: torch.device, store: dist.TCPStore) -> None:
@@ -161,5 +196,5 @@ def join_group(rank: int, world_size: int, device: torch.device, store: dist.TCP
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend(device), store=store, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT
+        backend(device), store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
     )

@@ -361,6 +361,8 @@ def test_the_server_streams_step14s_ids_and_a_worker_killed_ends_everything(demo
                     if len(events) == 2:
                         os.kill(worker, signal.SIGKILL)
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+        with contextlib.suppress(httpx.TransportError):  # refused once the server has gone
+            assert httpx.get(f"{url}/health", timeout=SAFETY_NET_S).status_code == 503
         assert proc.wait(SAFETY_NET_S) != 0
         stderr = proc.stderr.read()
         assert "tensor-parallel rank 1" in stderr and "killed by SIGKILL" in stderr, stderr
@@ -392,13 +394,24 @@ def test_a_rank_that_cannot_load_its_shard_stops_the_start(demo_snapshot, tmp_pa
     wait_until(lambda: set(children(os.getpid())) <= before, "a worker was left behind")
 
 
-def test_a_store_port_in_use_is_a_clear_error(demo_snapshot, monkeypatch):
+@pytest.mark.parametrize(
+    "variable, value, error",
+    [
+        ("MASTER_PORT", "busy", r"cannot listen at 127\.0\.0\.1:\d+ \(.*\); MASTER_ADDR must be an address"),
+        ("MASTER_PORT", "abc", r"MASTER_PORT='abc': must be a port number, 0\.\.65535"),
+        ("MASTER_PORT", "99999", r"MASTER_PORT='99999': must be a port number"),
+        ("MASTER_ADDR", "192.0.2.1", r"cannot listen at 192\.0\.2\.1:0 .*MASTER_ADDR must be an address"),
+    ],
+)
+def test_a_store_that_cannot_listen_is_a_clear_error(demo_snapshot, monkeypatch, variable, value, error):
+    """A port in use or not a port, an address of another machine (TEST-NET-1): ValueError before any
+    worker starts, not a hang."""
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+    monkeypatch.setenv(variable, str(busy.getsockname()[1]) if value == "busy" else value)
     before = set(children(os.getpid()))
-    with pytest.raises(ValueError, match=r"cannot open the group's store at 127\.0\.0\.1:\d+"):
+    with pytest.raises(ValueError, match=error):
         LLMEngine(model=str(demo_snapshot), tensor_parallel_size=2, multiprocessing=False, **ENGINE_ARGS)
     assert set(children(os.getpid())) <= before
     busy.close()

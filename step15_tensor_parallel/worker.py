@@ -37,6 +37,9 @@ from .parallel_state import (
 
 PARENT_CHECK_S = 0.2  # how often a worker looks for its parent
 DEATH_GRACE_S = 2.0  # after a worker's death: how long the engine may take to say so before it is ended
+# an engine core's process ends when a worker dies (its frontends see it go: the server stops), set by
+# engine_core.py; in a user's process the engine refuses its steps instead (unless stuck in a collective)
+END_PROCESS_ON_DEATH = False
 STOP_TIMEOUT_S = 5.0  # how long a worker may take to stop after SHUTDOWN or SIGTERM before it is killed
 
 
@@ -48,8 +51,8 @@ def how_it_ended(status: int) -> str:
 class Workers:
     """Rank 0's side of a group of ``args.tensor_parallel_size`` ranks: opens the group's store, starts
     ranks 1..t-1 (``start``), waits for each to load its shard (``wait_loaded``: raises ValueError with the
-    worker's own error, or how it died), then joins the group with them (``join``). ``on_death(message)``
-    is called from a thread if a worker exits unasked; ``shutdown`` stops them (SHUTDOWN, then SIGTERM)."""
+    worker's own error, or how it died), then joins the group with them (``join``) and watches them
+    (``watch``: a worker that dies stops the engine); ``shutdown`` stops them (SHUTDOWN, then SIGKILL)."""
 
     def __init__(self, args: EngineArgs, host: str, port: int):
         self.args, self.world_size = args, args.tensor_parallel_size
@@ -58,7 +61,9 @@ class Workers:
         self.address = f"{host}:{self.store.port}"
         self.procs: list[subprocess.Popen] = []
         self.ready: list[int] = []  # each worker's end of its pipe, read by wait_loaded
-        self.stopping = False
+        # shutting down; a worker's death reported by the engine; a step under way (the engine's flag)
+        self.stopping = self.reported = self.busy = False
+        self.failure: str | None = None  # why no step can run any more (a worker died; shut down)
 
     def start(self) -> None:
         """Start the worker processes (they load their shards meanwhile)."""
@@ -95,34 +100,65 @@ class Workers:
                 )
 
     def join(self) -> None:
-        """Join the group (every worker has loaded: none is left waiting), and watch the workers."""
-        join_group(0, self.world_size, self.args.torch_device, self.store)
+        """Join the group (every worker has loaded), in a thread while this one watches the workers: a
+        worker that died before joining would keep the join waiting. Raises ValueError if one dies
+        meanwhile. Then the watchdog (``watch``) runs until ``shutdown``."""
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                join_group(0, self.world_size, self.args.torch_device, self.store)
+            except BaseException as e:  # noqa: BLE001 -- raised below, in the caller's thread
+                failed.append(e)
+
+        joining = threading.Thread(target=run, name="tensor-parallel-join", daemon=True)
+        joining.start()
+        while joining.is_alive():
+            joining.join(PARENT_CHECK_S)
+            if joining.is_alive() and (exited := self.exited()) is not None:
+                self.shutdown()
+                raise ValueError(f"{exited} before it joined the group")
+        if failed:
+            raise failed[0]
         threading.Thread(target=self.watch, name="tensor-parallel-watchdog", daemon=True).start()
 
+    def exited(self) -> str | None:
+        """The first worker that has exited, and how, in words ("tensor-parallel rank 1 (pid 12) killed
+        by SIGKILL"), or None while all run."""
+        for rank, proc in enumerate(self.procs, 1):
+            if proc.poll() is not None:
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) {how_it_ended(proc.returncode)}"
+        return None
+
     def dead(self) -> str | None:
-        """Which worker has exited and how, in words ("tensor-parallel rank 1 (pid 12) was killed by
-        SIGKILL"), or None while all run; waits up to ``DEATH_GRACE_S`` for one to be reaped."""
+        """The engine's question after a collective failed: ``exited``, waiting up to ``DEATH_GRACE_S``
+        for the worker to be reaped; the answer is the engine's to report (the watchdog then lets the
+        process live)."""
         deadline = time.monotonic() + DEATH_GRACE_S
-        while True:
-            for rank, proc in enumerate(self.procs, 1):
-                if proc.poll() is not None:
-                    return f"tensor-parallel rank {rank} (pid {proc.pid}) {how_it_ended(proc.returncode)}"
-            if time.monotonic() > deadline:
-                return None
+        while (exited := self.exited()) is None and time.monotonic() < deadline:
             time.sleep(PARENT_CHECK_S)
+        self.reported = exited is not None
+        return exited
 
     def watch(self) -> None:
-        """A daemon thread: if a worker exits while the engine runs, stop the others, and this process
-        after ``DEATH_GRACE_S`` (time for the engine's own error, if its collective failed: gloo's do,
-        NCCL's wait forever). A process must not outlive its group. Says which rank died on stderr."""
+        """A daemon thread: if a worker exits while the engine runs, say which on stderr, stop the
+        others, and from then on refuse every step (``failure``). Unless the engine reports the death
+        itself within ``DEATH_GRACE_S`` (its collective failed: gloo's do), end this process if it is an
+        engine core's (``END_PROCESS_ON_DEATH``) or a step is under way (``busy``): a collective with a
+        dead rank can wait forever (NCCL's)."""
         while not self.stopping:
-            if any(proc.poll() is not None for proc in self.procs) and not self.stopping:
-                print(f"{self.dead()}: stopping the engine", file=sys.stderr, flush=True)
+            if (exited := self.exited()) is not None:
+                self.failure = exited
+                print(f"{exited}: stopping the engine", file=sys.stderr, flush=True)
                 for proc in self.procs:
                     if proc.poll() is None:
                         proc.kill()
-                time.sleep(DEATH_GRACE_S)
-                os._exit(1)
+                deadline = time.monotonic() + DEATH_GRACE_S
+                while not self.reported and time.monotonic() < deadline:
+                    time.sleep(PARENT_CHECK_S)
+                if not self.reported and (END_PROCESS_ON_DEATH or self.busy):
+                    os._exit(1)
+                return
             time.sleep(PARENT_CHECK_S)
 
     def shutdown(self) -> None:
@@ -131,6 +167,7 @@ class Workers:
         if self.stopping:
             return
         joined, self.stopping = torch.distributed.is_initialized(), True
+        self.failure = self.failure or "the engine has been shut down (its tensor-parallel workers stopped)"
         if joined:
             try:
                 broadcast_plan(StepPlan(SHUTDOWN), [])
