@@ -156,6 +156,9 @@ def rank_errors(rank: int, world_size: int, port: int, folders: list[str], resul
     dist.destroy_process_group()
     if rank == 0:
         results.put((errors, dict(counts)))
+        results.close()
+        results.join_thread()  # delivered
+    os._exit(0)  # as a worker leaves (worker.py): no teardown of torch.distributed's C++ threads at exit
 
 
 @contextlib.contextmanager

@@ -264,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     watch_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 decides
-    return run_worker(args.rank, args.store, json.loads(args.engine_args), args.ready_fd)
+    status = run_worker(args.rank, args.store, json.loads(args.engine_args), args.ready_fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # without the interpreter's teardown: under load, torch.distributed's C++ threads, torn down with it,
+    # can abort the process ("terminate called without an active exception") after its work is done
+    os._exit(status)
 
 
 if __name__ == "__main__":
