@@ -27,7 +27,7 @@ from .model import GPT, kernels
 from .model_runner import AsyncModelRunnerOutput, ModelRunner
 from .ngram_proposer import NgramProposer
 from .parallel_sampling import ParentRequest
-from .parallel_state import SINGLE, store_address
+from .parallel_state import SINGLE, backend, store_address, time_all_reduce
 from .processor import Processor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -138,6 +138,14 @@ class LLMEngine:
                 kernels.warm_up(
                     config.n_head, config.head_dim, args.block_size, self.dtype, self.device, pool.cache_dtype
                 )
+        if self.workers is not None:  # what each of a step's all-reduces costs (the workers time them too)
+            C, B, layers = self.config.n_embd, args.max_num_seqs, self.config.n_layer
+            one, most = (time_all_reduce(tp, rows, C, self.dtype, self.device) for rows in (1, B))
+            print(
+                f"tensor parallel: {tp.world_size} ranks over {backend(self.device)}; an all-reduce of "
+                f"[1, {C}] takes {one:.0f} us, of [{B}, {C}] {most:.0f} us; {2 * layers + 1} a step",
+                file=sys.stderr,
+            )
         # the decode step (and the uniform verification, the draft's decode passes) in CUDA graphs, after
         # the warm-up: no compiling in a capture
         if self.device.type == "cuda" and not args.enforce_eager:

@@ -369,6 +369,10 @@ def test_the_server_streams_step14s_ids_and_a_worker_killed_ends_everything(demo
         assert proc.wait(SAFETY_NET_S) != 0
         stderr = proc.stderr.read()
         assert "tensor-parallel rank 1" in stderr and "killed by SIGKILL" in stderr, stderr
+        timed = (
+            r"tensor parallel: 2 ranks over gloo; an all-reduce of \[1, 256\] takes \d+ us, of \[8, 256\] "
+        )
+        assert re.search(timed + r"\d+ us; 13 a step", stderr), stderr  # said at start-up
         wait_until(lambda: gone(core) and gone(worker), "a process was left behind")
     finally:
         if proc.poll() is None:

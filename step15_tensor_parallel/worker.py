@@ -33,6 +33,7 @@ from .parallel_state import (
     join_group,
     open_store,
     rank_device,
+    time_all_reduce,
 )
 
 PARENT_CHECK_S = 0.2  # how often a worker looks for its parent
@@ -246,6 +247,8 @@ def run_worker(rank: int, address: str, engine_args: dict, ready_fd: int) -> int
     )
     try:
         with torch.inference_mode():
+            for rows in (1, args.max_num_seqs):  # rank 0 times them (engine.py): in step
+                time_all_reduce(tp, rows, model.config.n_embd, args.torch_dtype, device)
             runner.follow()
     except RuntimeError as e:  # a collective failed: rank 0 or another worker is gone (one line, not a trace)
         print(f"tensor-parallel rank {rank}: the group failed: {str(e).splitlines()[0]}", file=sys.stderr)
