@@ -898,3 +898,26 @@ def test_ladder_leaves_the_oldest_steps_out_of_a_point_whose_pools_do_not_fit(mo
     assert list(ladder.fitting(modules, config, "cuda", "float16", 48)) == list(modules)
     assert list(ladder.fitting(modules, config, "cuda", "float32", 256 * 48 * 8)) == ["step12", "step13"]
     assert ladder.fitting(modules, config, "cpu", "float32", 10**9) is modules
+
+
+def test_the_load_splits_server_sent_events_at_line_feeds_only():
+    """A JSON string may hold U+2028, U+2029 and U+0085 unescaped (orjson, the server): one event stays one
+    line, however the stream is chunked; a CR before the LF is dropped."""
+    import asyncio
+
+    from benchmarks.lib.load import sse_lines
+
+    events = ['data: {"text": "a\u2028b\x85c\u2029d"}', "", 'data: {"text": "e"}', "", "data: [DONE]", ""]
+    body = "\n".join(events[:2]) + "\r\n" + "\n".join(events[2:])
+
+    class Chunked:  # the text in pieces of 3 characters, as a network delivers it
+        async def aiter_text(self):
+            for i in range(0, len(body), 3):
+                yield body[i : i + 3]
+
+    async def lines():
+        return [line async for line in sse_lines(Chunked())]
+
+    got = asyncio.run(lines())
+    assert got == ['data: {"text": "a\u2028b\x85c\u2029d"}', "", 'data: {"text": "e"}', "", "data: [DONE]"]
+    assert json.loads(got[0][6:]) == {"text": "a\u2028b\x85c\u2029d"}

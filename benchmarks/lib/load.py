@@ -125,6 +125,19 @@ def run_in_process(engine, module, requests, arrivals=None, concurrency=None) ->
     }
 
 
+async def sse_lines(response):
+    """The lines of a Server-Sent Events stream, split at LF (a CR before it dropped), as the SSE format
+    splits them. Not httpx's ``aiter_lines``: it also splits at U+0085, U+2028 and U+2029, which a JSON
+    string holds unescaped, so that a random model's text cut one event in two (a JSON error, on an H100)."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if rest:
+        yield rest.removesuffix("\r")
+
+
 async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
     """The same load over HTTP: one streaming request per workload request, Poisson-timed or ``concurrency``
     at a time; token times are the arrival times of the SSE events. ``steps``: the server's engine steps
@@ -151,7 +164,7 @@ async def run_http(url: str, requests, arrivals=None, concurrency=None) -> dict:
             async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     raise ConnectionError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
