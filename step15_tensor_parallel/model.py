@@ -266,7 +266,7 @@ class GPT(nn.Module):
         def read(name: str, tensor) -> torch.Tensor:  # this rank's shard (as stored), else the whole
             module_name, _, param = name.rpartition(".")
             module = modules.get(module_name)
-            dim = getattr(module, "shard_dims", {}).get(param)
+            dim = getattr(module, "SHARD_DIMS", {}).get(param)
             if name not in own or dim is None or t == 1:
                 return tensor[:]  # a safetensors slice read whole (a tensor: a view of it)
             stored = 1 - dim if name.endswith(CONV1D_WEIGHTS) else dim  # Conv1D stores [in, out]
@@ -275,7 +275,7 @@ class GPT(nn.Module):
             full = module.vocab_size if padded else own[name].shape[dim] * t
             if len(shape) != own[name].dim() or shape[stored] != full:
                 return tensor[:]  # not this model's shape: the shape check below names it
-            return shard(tensor, stored, rank, t, module.parts, padded if padded != full else None)
+            return shard(tensor, stored, rank, t, module.parts, padded)
 
         found: dict[str, tuple[str, torch.Tensor]] = {}  # our name -> (HF name, tensor)
         for hf_name, tensor in hf_tensors.items():

@@ -47,12 +47,13 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b, W [O, C] cut by its rows (the outputs): this rank's [O / t, C], its slice of y
     [N, O / t]. ``parts``: outputs that are ``parts`` blocks side by side (q, k, v: 3), each cut alike."""
 
+    SHARD_DIMS = {"weight": 0, "bias": 0}  # the dimension each parameter is cut along
+
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, parts: int = 1):
         super().__init__()
         self.tp, self.parts = tp, parts
         self.weight = nn.Parameter(torch.empty(out_features // tp.world_size, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp.world_size))
-        self.shard_dims = {"weight": 0, "bias": 0}  # the dimension each parameter is cut along
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)  # [N, O / t]
@@ -63,12 +64,13 @@ class RowParallelLinear(nn.Module):
     [N, C / t] is a partial sum; one all-reduce adds the ranks' (Megatron's "g"), then the bias, once.
     Returns [N, O] on every rank."""
 
+    SHARD_DIMS, parts = {"weight": 1}, 1  # the bias: whole on every rank, added after the sum
+
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
         super().__init__()
-        self.tp, self.parts = tp, 1
+        self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.world_size))
-        self.bias = nn.Parameter(torch.empty(out_features))  # whole on every rank, added after the sum
-        self.shard_dims = {"weight": 1}
+        self.bias = nn.Parameter(torch.empty(out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -81,13 +83,14 @@ class VocabParallelEmbedding(nn.Module):
     holds ids [r V / t, (r + 1) V / t); an id elsewhere looks up zeros, and one all-reduce adds the ranks'
     rows. The tied LM head (``logits``): each rank's logits of its ids, gathered. [N] ids -> [N, C]."""
 
+    SHARD_DIMS, parts = {"weight": 0}, 1
+
     def __init__(self, vocab_size: int, dim: int, tp: TensorParallel):
         super().__init__()
-        self.tp, self.parts, self.vocab_size = tp, 1, vocab_size
+        self.tp, self.vocab_size = tp, vocab_size
         self.padded = -(-vocab_size // tp.world_size) * tp.world_size  # a multiple of t
         self.per_rank = self.padded // tp.world_size
         self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
-        self.shard_dims = {"weight": 0}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

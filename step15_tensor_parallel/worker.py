@@ -23,6 +23,7 @@ import torch
 
 from .config import EngineArgs
 from .kv_cache import PagedKVCache
+from .launcher import how_it_ended
 from .model import GPT, kernels
 from .model_runner import ModelRunner
 from .parallel_state import (
@@ -42,11 +43,6 @@ DEATH_GRACE_S = 2.0  # after a worker's death: how long the engine may take to s
 # engine_core.py; in a user's process the engine refuses its steps instead (unless stuck in a collective)
 END_PROCESS_ON_DEATH = False
 STOP_TIMEOUT_S = 5.0  # how long a worker may take to stop after SHUTDOWN or SIGTERM before it is killed
-
-
-def how_it_ended(status: int) -> str:
-    """A process's exit status in words: "exited with status 1", "killed by SIGKILL"."""
-    return f"killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
 
 
 class Workers:
