@@ -99,6 +99,12 @@ BENCHMARKS = {
         "15",
         "what t ranks cost and buy: tok/s at t = 1, 2, the all-reduces per step and their time; a cost model",
     ),
+    "fused_kernels": (
+        "benchmarks.fused_kernels",
+        "16",
+        "what five fused kernels a layer buy a decode step: kernels, GPU and host ms/step, ms/token, "
+        "tok/s (vs step 15, torch.compile)",
+    ),
     "ladder": (
         "benchmarks.ladder",
         "5-13",

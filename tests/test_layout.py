@@ -291,6 +291,45 @@ UNCHANGED_FROM_PREVIOUS = {
         "spec_decode.py",
         "static/index.html",
     ],
+    # step 16 fuses a decode step's layer into five kernels: the kernels (the new fused_kernels.py;
+    # kv_write.py lends them its quantizer), the model's fused pass, the runner (which steps run it), the
+    # argument (config.py), the features line (engine_core.py) and its passing on (engine.py, worker.py)
+    "step16_fused_kernels": [
+        "__main__.py",
+        "api_server.py",
+        "async_engine.py",
+        "block_manager.py",
+        "coordinator.py",
+        "core_client.py",
+        "cuda_graph.py",
+        "draft_model.py",
+        "input_batch.py",
+        "kernels.py",
+        "kv_cache.py",
+        "kv_quant.py",
+        "launcher.py",
+        "llm.py",
+        "messages.py",
+        "metrics.py",
+        "ngram_proposer.py",
+        "output_processor.py",
+        "outputs.py",
+        "parallel_layers.py",
+        "parallel_sampling.py",
+        "parallel_state.py",
+        "processor.py",
+        "protocol.py",
+        "rejection_sampler.py",
+        "sampler.py",
+        "sampling_params.py",
+        "scheduler.py",
+        "sequence.py",
+        "serving_chat.py",
+        "serving_completion.py",
+        "serving_engine.py",
+        "spec_decode.py",
+        "static/index.html",
+    ],
 }
 # Steps whose engine change is one mechanism tested against the previous step on every path it changes (the
 # previous step's outputs as the oracle) rather than by a copy of the engine tests: the test file.
@@ -304,6 +343,7 @@ MECHANISM_TESTS = {
     "step13_chunked_prefill": "test_chunked_prefill.py",
     "step14_data_parallel": "test_data_parallel.py",
     "step15_tensor_parallel": "test_tensor_parallel.py",
+    "step16_fused_kernels": "test_fused_kernels.py",
 }
 # One file per serving concept, named alike in every generating step (the root README's Layout), so that a
 # diff lands in the file named for its mechanism.
@@ -338,6 +378,7 @@ def test_layout():
         "step13_chunked_prefill",
         "step14_data_parallel",
         "step15_tensor_parallel",
+        "step16_fused_kernels",
     ]
     for step in STEPS:
         for name in ("__init__.py", "__main__.py", "model.py", "README.md"):
