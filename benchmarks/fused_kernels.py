@@ -31,11 +31,15 @@ QUICK = {"batches": [1, 2], "prompt_tokens": 8, "max_tokens": 4}
 BLOCK_SIZE = 16
 TOKEN_ID_SEED = 16000
 REPLAYS = 50  # decode-graph replays timed per engine and batch
+# where step 15 runs compiled too (a compilation takes about half a minute): the batches step 16 fuses
+COMPILED = {("model", b) for b in (1, 16, 64)}
 ENGINES = {
     "step15": "step15_tensor_parallel.LLMEngine, its defaults (CUDA graphs, async scheduling)",
-    "step15_compiled": "the same, its model compiled by torch.compile (Inductor, default mode) before the "
-    "decode graphs are captured: the compiled kernels replayed in the same graphs; other steps eager",
+    "step15_compiled": "the same, its model compiled by torch.compile (Inductor, default mode) before its "
+    "decode graph of B lanes is captured: the compiled kernels replayed in the same graph; other steps "
+    "eager; at B = 1, 16, 64 on the model (COMPILED)",
     "step16": "step16_fused_kernels.LLMEngine, its defaults (fused decode steps up to MAX_BATCH lanes)",
+    "step16_no_pdl": "the same, its graphs captured with plain launches (fused_kernels.PDL off)",
 }
 TARGETS = {
     "kernels_b1": "<= 64",
@@ -100,8 +104,14 @@ def build(name: str, folder: Path, device: str, dtype: str, b: int, longest: int
         max_num_seqs=b,
         num_kv_blocks=b * -(-longest // BLOCK_SIZE) + 1,
     )
-    if name == "step16":
-        return step16, step16.LLMEngine(**args)
+    if name.startswith("step16"):
+        from step16_fused_kernels import fused_kernels
+
+        fused_kernels.PDL = name == "step16"  # read when a kernel is launched: here, at the capture
+        try:
+            return step16, step16.LLMEngine(**args)
+        finally:
+            fused_kernels.PDL = True
     if name == "step15":
         return step15, step15.LLMEngine(**args)
     engine = step15.LLMEngine(**args, enforce_eager=True)  # captured below, compiled
@@ -111,6 +121,7 @@ def build(name: str, folder: Path, device: str, dtype: str, b: int, longest: int
         eager = runner.model
         runner.model = torch.compile(eager)
         runner.token_sizes = []  # mixed steps eager: only the decode graphs are compiled
+        runner.capture_sizes = [b]  # one graph, one compilation (every decode step here has b lanes)
         try:
             runner.capture_cudagraphs()
         finally:
@@ -180,6 +191,8 @@ def bench_model(name: str, device: str, dtype: str, runs: int, sizes: dict, resu
     config = load_config(folder)
     p, g = sizes["prompt_tokens"], sizes["max_tokens"]
     names = list(ENGINES) if cuda else ["step15", "step16"]
+    if cuda and torch.cuda.get_device_capability(device) < (9, 0):
+        names.remove("step16_no_pdl")  # no PDL there: the same engine as step16
     out = {"snapshot": str(folder), "points": {}}
     for b in sizes["batches"]:
         print(f"  B={b}", flush=True)
@@ -187,7 +200,7 @@ def bench_model(name: str, device: str, dtype: str, runs: int, sizes: dict, resu
         for model_name, model_folder in (("host", demo), ("model", folder)):
             vocab = load_config(model_folder).vocab_size
             built = {}
-            for engine_name in names:
+            for engine_name in [n for n in names if n != "step15_compiled" or (model_name, b) in COMPILED]:
                 try:
                     built[engine_name] = build(engine_name, model_folder, device, dtype, b, p + g)
                 except Exception as error:  # torch.compile on this code, this machine: say why, go on

@@ -28,6 +28,7 @@ from .kv_write import quantize_rows  # noqa: E402
 # batch where the fused step stops beating step 15's (README.md, "Where it stops paying").
 MAX_BATCH = 64
 SQRT_2_OVER_PI = 0.7978845608028654  # GELU's tanh approximation (GPT-2's gelu_new)
+PDL = True  # launch with programmatic dependent launch where the device has it (False: plain launches)
 
 
 def unsupported(columns: int, head_dim: int, quantized: bool) -> str | None:
@@ -41,9 +42,9 @@ def unsupported(columns: int, head_dim: int, quantized: bool) -> str | None:
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with programmatic dependent launch: a CUDA device of compute
-    capability 9.0 or more (Hopper on) with a Triton that knows ``launch_pdl``."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+    """Whether kernels on ``device`` launch with programmatic dependent launch: ``PDL`` on, a CUDA device of
+    compute capability 9.0 or more (Hopper on), a Triton that knows ``launch_pdl``."""
+    if not PDL or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     return hasattr(tl.extra.cuda, "gdc_wait")
 
