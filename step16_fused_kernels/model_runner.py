@@ -307,11 +307,16 @@ class ModelRunner:
         starts = dev["query_start_loc"][: S + 1]
         seq_lens = dev["seq_lens"][:S]
         block_tables = self.input_batch.block_table_gpu[dev["rows"][:S], :width]  # [S, width]
+        fused = P == 0 and N == S <= self.fused_max_batch  # a decode step (one token a lane), run fused
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"][:N],
             query_start_loc=query_start_loc,
             query_start_loc_t=starts,
-            logits_indices=starts[1:] - 1 if rows is None else rows,  # each lane's last new token, or rows
+            logits_indices=rows
+            if rows is not None
+            else self.token_index[:S]  # every lane's one token: no kernel in the graph
+            if fused
+            else starts[1:] - 1,  # each lane's last new token
             num_prefills=P,
             seq_lens=seq_lens,
             block_tables=block_tables,
@@ -325,7 +330,7 @@ class ModelRunner:
             prefill_seq_lens=self.input_batch.np["seq_lens"][:P].tolist()
             if self.attention_backend == "torch"
             else None,
-            fused=P == 0 and N == S <= self.fused_max_batch,  # a decode step: one token a lane
+            fused=fused,
         )
         return self.model(dev["input_ids"][:N], dev["positions"][:N], self.kv_cache, meta)  # [S, V]
 
