@@ -107,11 +107,11 @@ def build(name: str, folder: Path, device: str, dtype: str, b: int, longest: int
     if name.startswith("step16"):
         from step16_fused_kernels import fused_kernels
 
-        fused_kernels.PDL = name == "step16"  # read when a kernel is launched: here, at the capture
+        default, fused_kernels.PDL = fused_kernels.PDL, name == "step16"  # read at launch: the capture
         try:
             return step16, step16.LLMEngine(**args)
         finally:
-            fused_kernels.PDL = True
+            fused_kernels.PDL = default
     if name == "step15":
         return step15, step15.LLMEngine(**args)
     engine = step15.LLMEngine(**args, enforce_eager=True)  # captured below, compiled
