@@ -28,7 +28,9 @@ from .kv_write import quantize_rows  # noqa: E402
 # batch where the fused step stops beating step 15's (README.md, "Where it stops paying").
 MAX_BATCH = 64
 SQRT_2_OVER_PI = 0.7978845608028654  # GELU's tanh approximation (GPT-2's gelu_new)
-PDL = True  # launch with programmatic dependent launch where the device has it (False: plain launches)
+# launch with programmatic dependent launch where the device has it: off until it has been measured on a GPU
+# (README.md, "The numbers"); the benchmark runs step 16 with it on and off
+PDL = False
 
 
 def unsupported(columns: int, head_dim: int, quantized: bool) -> str | None:
