@@ -116,9 +116,12 @@ def _fused_linear_kernel(
     v_cache_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    ws_ptr,
+    counter_ptr,
     M,
     N,
     K,
+    K_SPLIT,
     C_KV,
     eps,
     stride_xm,
@@ -143,6 +146,7 @@ def _fused_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[rows, cols] = epilogue(prologue(x[rows]) @ W[:, cols]) for one tile of BLOCK_M rows and BLOCK_N
@@ -155,16 +159,18 @@ def _fused_linear_kernel(
     + res[rows] (out may be res: each element is read and written by one program). KV: the columns are q | k
     | v of C_KV each; q goes to out, k and v to the caches at each row's slot (KV_QUANT: one head a tile, its
     8-bit values and scale, ``quantize_rows``)."""
-    pid_n = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
+    k_start = pid_k * K_SPLIT  # split-K: this program's inputs are k_start .. k_end (else all of K)
+    k_end = tl.minimum(K, k_start + K_SPLIT)
     # the first weight tile needs nothing from the kernel before: read it while that one finishes
     w = tl.load(
-        w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-        mask=(ks[:, None] < K) & col_mask[None, :],
+        w_ptr + (k_start + ks)[:, None] * stride_wk + cols[None, :] * stride_wn,
+        mask=((k_start + ks)[:, None] < k_end) & col_mask[None, :],
         other=0.0,
     )
     if USE_PDL:
@@ -197,9 +203,9 @@ def _fused_linear_kernel(
             var += tl.sum(centred * centred, 1)
         rstd = 1.0 / tl.sqrt_rn(var / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + ks
-        mask = row_mask[:, None] & (kk < K)[None, :]
+        mask = row_mask[:, None] & (kk < k_end)[None, :]
         x = _load_rows(x_ptr, wpe_ptr, tokens, positions, rows, kk, mask, stride_xm, stride_pm, EMBED)
         if EMBED:  # the residual stream starts here: the first column tile's programs keep it
             if pid_n == 0:
@@ -214,16 +220,97 @@ def _fused_linear_kernel(
         kn = kk + BLOCK_K  # the next weight tile (past K: masked, unread)
         w = tl.load(
             w_ptr + kn[:, None] * stride_wk + cols[None, :] * stride_wn,
-            mask=(kn[:, None] < K) & col_mask[None, :],
+            mask=(kn[:, None] < k_end) & col_mask[None, :],
             other=0.0,
         )
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K > 1:  # each split's partial sum to the workspace; the split that finishes last adds them all
+        tile = ws_ptr + rows[:, None] * N + cols[None, :]  # the workspace: [SPLIT_K, M, N] fp32
+        tl.store(tile + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the count is raised
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1  # the others' partials are visible
+        if last:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):  # in a fixed order: the same sum on every run
+                acc += tl.load(tile + split * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)  # zero again for the next launch
+    else:
+        last = pid_n >= 0  # the one program of its tile
+    if last:
+        _epilogue(
+            acc,
+            bias_ptr,
+            out_ptr,
+            res_ptr,
+            slot_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            mask,
+            pid_n,
+            C_KV,
+            stride_om,
+            stride_rm,
+            BIAS,
+            GELU,
+            RESIDUAL,
+            KV,
+            KV_QUANT,
+            HEAD_DIM,
+            QMAX,
+            INV_QMAX,
+            SCALE_MAX,
+            FP8,
+            BLOCK_N,
+        )
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    bias_ptr,
+    out_ptr,
+    res_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    mask,
+    pid_n,
+    C_KV,
+    stride_om,
+    stride_rm,
+    BIAS: tl.constexpr,
+    GELU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    KV: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QMAX: tl.constexpr,
+    INV_QMAX: tl.constexpr,
+    SCALE_MAX: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The product acc [BLOCK_M, BLOCK_N] (fp32) -> + bias, GELU, + residual, stored; or q stored and k, v
+    written to the pool (see ``_fused_linear_kernel``)."""
     y = acc
     if BIAS:
         y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # the product's output, in the model's dtype
     if GELU:
         y = _gelu_tanh(y)
-    mask = row_mask[:, None] & col_mask[None, :]
     if RESIDUAL:
         y += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if KV:
@@ -285,7 +372,27 @@ def _config(M: int, N: int, K: int, head_dim: int | None, columns: int | None, g
         block_n = head_dim or (columns & -columns if columns else min(triton.next_power_of_2(N), 8192))
         block_k = min(triton.next_power_of_2(K), 1024, 2**19 // block_n)  # Triton: at most 2^20 a tile
     block_m = min(max(16, triton.next_power_of_2(M)), 64)
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2, split_k=1)
+
+
+# split-K's tile counters, by device: zero between launches (the last split of a tile sets its counter back)
+_counters: dict[torch.device, torch.Tensor] = {}
+MAX_SPLIT_TILES = 4096
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The zeroed int32 counters split-K needs on ``device``, allocated on first use, which must come before
+    any CUDA-graph capture (a capture would record their zeroing). Raises RuntimeError otherwise, ValueError
+    for more than ``MAX_SPLIT_TILES`` tiles."""
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"split_k: {tiles} tiles, at most {MAX_SPLIT_TILES}")
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "split_k's counters must be allocated before a CUDA-graph capture: warm up first"
+            )
+        _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def fused_linear(
@@ -312,8 +419,9 @@ def fused_linear(
     kv: (k_cache, v_cache, k_scale, v_scale, slot_mapping [M]) with weight's N = 3 C (q | k | v, C = H * D
     of the pools [num_blocks, block_size, H, D]; scales None unless 8-bit): k and v go to the pool at the
     slots, q [M, C] is returned. use_pdl: default ``pdl_supported``. tiles: block_m, block_n, block_k,
-    num_warps, num_stages override ``_config``. Returns [M, N] (or q). Raises ValueError on inconsistent
-    shapes, dtypes or devices; RuntimeError on CPU tensors without Triton's interpreter.
+    num_warps, num_stages, split_k (K in that many slices, summed in a fixed order) override ``_config``.
+    Returns [M, N] (or q). Raises ValueError on inconsistent shapes, dtypes or devices; RuntimeError on CPU
+    tensors without Triton's interpreter.
     """
     K, N = weight.shape
     M = embed[0].shape[0] if embed is not None else x.shape[0]
@@ -359,7 +467,14 @@ def fused_linear(
     cache_dtype = k_cache.dtype
     quantized = kv is not None and cache_dtype in QUANTIZED_DTYPES
     ln_w, ln_b, eps = ln if ln is not None else (x, x, 0.0)
-    grid = (triton.cdiv(N, cfg["block_n"]), triton.cdiv(M, cfg["block_m"]))
+    # split-K: each program sums a slice of K of a multiple of block_k; the last slice's program adds them
+    k_split = triton.cdiv(triton.cdiv(K, cfg["split_k"]), cfg["block_k"]) * cfg["block_k"]
+    splits = triton.cdiv(K, k_split)
+    grid = (triton.cdiv(N, cfg["block_n"]), triton.cdiv(M, cfg["block_m"]), splits)
+    workspace = counters = x  # unread with one split
+    if splits > 1:
+        workspace = torch.empty((splits, M, N), device=device, dtype=torch.float32)
+        counters = tile_counters(device, grid[0] * grid[1])
     _fused_linear_kernel[grid](
         x,
         weight,
@@ -376,9 +491,12 @@ def fused_linear(
         v_cache,
         k_scale if quantized else x,
         v_scale if quantized else x,
+        workspace,
+        counters,
         M,
         N,
         K,
+        k_split,
         C_kv or N,
         eps,
         x.stride(0),
@@ -404,6 +522,7 @@ def fused_linear(
         BLOCK_K=cfg["block_k"],
         # fp32: three tf32 products keep fp32's accuracy on tensor cores (kernels.py); the interpreter: ieee
         DOT_PRECISION="ieee" if device.type != "cuda" else "tf32x3" if dtype == torch.float32 else "tf32",
+        SPLIT_K=splits,
         USE_PDL=use_pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

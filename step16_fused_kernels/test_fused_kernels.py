@@ -57,31 +57,39 @@ def operands():
     )
 
 
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one-split", "split-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_each_flavour_equals_its_reference(operands, dtype):
+def test_each_flavour_equals_its_reference(operands, dtype, split_k):
+    """Also with K cut into 3 slices of 16 (split-K): the tile counters back at zero after each launch, and
+    the same bits on a second run (the slices summed in a fixed order)."""
     x, w, b, ln_w, ln_b = (operands[k].to(dtype) for k in ("x", "w", "b", "ln_w", "ln_b"))
-    ln = (ln_w, ln_b, 1e-5)
+    ln, tiles = (ln_w, ln_b, 1e-5), dict(block_k=16, split_k=split_k)
     for kwargs in [{}, {"ln": ln}, {"ln": ln, "gelu": True}]:  # (d): ln_2, product, bias, GELU
-        assert close(fused_linear(x, w, b, **kwargs), fused_linear_reference(x, w, b, **kwargs), dtype)
-    assert close(fused_linear(x, w), fused_linear_reference(x, w), dtype)  # no bias: the LM head
+        out = fused_linear(x, w, b, **kwargs, **tiles)
+        assert close(out, fused_linear_reference(x, w, b, **kwargs), dtype)
+        assert torch.equal(out, fused_linear(x, w, b, **kwargs, **tiles))
+    assert close(fused_linear(x, w, **tiles), fused_linear_reference(x, w), dtype)  # no bias: the LM head
     # (c), (e): the residual added, in place
     residual = torch.randn(3, 40, dtype=dtype)
     expected = fused_linear_reference(x, w, b, residual=residual.clone())
-    out = fused_linear(x, w, b, residual=residual)
+    out = fused_linear(x, w, b, residual=residual, **tiles)
     assert out.data_ptr() == residual.data_ptr() and close(residual, expected, dtype)
     # layer 0's prologue: token plus position embeddings, kept as the residual stream
     wte, wpe = torch.randn(50, 48, dtype=dtype), torch.randn(20, 48, dtype=dtype)
     embed = (torch.tensor([3, 7, 49]), torch.tensor([0, 5, 19]), wpe)
     kept, kept_ref = torch.empty(3, 48, dtype=dtype), torch.empty(3, 48, dtype=dtype)
-    out = fused_linear(wte, w, b, ln=ln, embed=embed, residual=kept)
+    out = fused_linear(wte, w, b, ln=ln, embed=embed, residual=kept, **tiles)
     assert close(out, fused_linear_reference(wte, w, b, ln=ln, embed=embed, residual=kept_ref), dtype)
     assert torch.equal(kept, kept_ref)
+    if split_k > 1:
+        assert not fused_kernels.tile_counters(torch.device("cpu"), 1).any()
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["auto", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_the_qkv_kernel_writes_the_pool_as_step15_does(operands, dtype, cache_dtype):
-    """(a): q returned, k and v at their slots; 8 bits: the same bits and scales as kv_quant.quantize."""
+    """(a): q returned, k and v at their slots; 8 bits: the same bits and scales as kv_quant.quantize; K in
+    three slices (split-K)."""
     H, D, C = 2, 16, 32
     g = torch.Generator().manual_seed(1)
     x, ln_w, ln_b = (operands[k].to(dtype) for k in ("x", "ln_w", "ln_b"))
@@ -95,7 +103,7 @@ def test_the_qkv_kernel_writes_the_pool_as_step15_does(operands, dtype, cache_dt
         return caches + scales
 
     ours, theirs, slots = pool(), pool(), torch.tensor([5, 0, 13])
-    q = fused_linear(x, w, b, ln=(ln_w, ln_b, 1e-5), kv=(*ours, slots))
+    q = fused_linear(x, w, b, ln=(ln_w, ln_b, 1e-5), kv=(*ours, slots), block_k=16, split_k=3)
     q_ref = fused_linear_reference(x, w, b, ln=(ln_w, ln_b, 1e-5), kv=(*theirs, slots))
     assert q.shape == (3, C) and close(q, q_ref, dtype)
     for a, r in zip(ours, theirs):
@@ -310,9 +318,11 @@ def test_gpu_kernels_at_gpt2_sizes(dtype, rows):
         w = w if N == V else w.contiguous()  # the LM head: wte.t()
         inputs = x if K == C else torch.randn(rows, K, device=dev, dtype=dtype, generator=g)
         b = None if N == V else torch.randn(N, device=dev, dtype=dtype, generator=g)
-        assert close(
-            fused_linear(inputs, w, b, **kwargs), fused_linear_reference(inputs, w, b, **kwargs), dtype
-        )
+        expected = fused_linear_reference(inputs, w, b, **kwargs)
+        assert close(fused_linear(inputs, w, b, **kwargs), expected, dtype)
+        split = fused_linear(inputs, w, b, **kwargs, split_k=4)  # split-K: the same sum on every run
+        assert close(split, expected, dtype)
+        assert torch.equal(split, fused_linear(inputs, w, b, **kwargs, split_k=4))
     w = (torch.randn(3 * C, C, device=dev, dtype=dtype, generator=g) * C**-0.5).t().contiguous()
     b = torch.randn(3 * C, device=dev, dtype=dtype, generator=g)
     for cache_dtype in CACHE_DTYPES:
