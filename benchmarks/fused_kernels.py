@@ -103,13 +103,15 @@ def build(name: str, folder: Path, device: str, dtype: str, b: int, longest: int
         block_size=BLOCK_SIZE,
         max_num_seqs=b,
         num_kv_blocks=b * -(-longest // BLOCK_SIZE) + 1,
+        # on a CPU (--quick) the kernels run through Triton's interpreter: both steps on the Triton backend
+        **({} if device.startswith("cuda") else {"attention_backend": "triton"}),
     )
     if name.startswith("step16"):
         from step16_fused_kernels import fused_kernels
 
         default, fused_kernels.PDL = fused_kernels.PDL, name == "step16"  # read at launch: the capture
         try:
-            return step16, step16.LLMEngine(**args)
+            return step16, step16.LLMEngine(**args, fused_kernels=True)
         finally:
             fused_kernels.PDL = default
     if name == "step15":

@@ -1,6 +1,6 @@
 """Step 16: fused kernels: a decode step of few sequences in five Triton kernels a layer (the products with
-their LayerNorms, bias, GELU, residual and KV write), launched with programmatic dependent launch, on top
-of step 15."""
+their LayerNorms, bias, GELU, residual and KV write; split-K and programmatic dependent launch as options),
+on top of step 15."""
 
 import importlib
 

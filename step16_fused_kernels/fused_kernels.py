@@ -21,11 +21,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from . import kv_quant  # noqa: E402
-from .kernels import QUANTIZED_DTYPES, _check_usable  # noqa: E402
+from .kernels import CPU_BF16_UNSUPPORTED, QUANTIZED_DTYPES, _check_usable  # noqa: E402
 from .kv_write import quantize_rows  # noqa: E402
 
-# The most sequences a decode step may have to run fused (engine steps above it run step 15's path): the
-# batch where the fused step stops beating step 15's (README.md, "Where it stops paying").
+# The most sequences a decode step may have to run fused (larger steps run step 15's path): issue 46's guess
+# until a GPU has measured where the fused step stops beating step 15's (README.md, "The numbers").
 MAX_BATCH = 64
 SQRT_2_OVER_PI = 0.7978845608028654  # GELU's tanh approximation (GPT-2's gelu_new)
 # launch with programmatic dependent launch where the device has it: off until it has been measured on a GPU
@@ -362,8 +362,8 @@ def _epilogue(
 
 
 def _config(M: int, N: int, K: int, head_dim: int | None, columns: int | None, gpu: bool) -> dict:
-    """Tile sizes by shape (a fixed table, measured on the H100: README.md): every row in one tile up to 64
-    rows (each weight read once), narrow column tiles so that a small N still spreads over the GPU, one
+    """Tile sizes by shape (a fixed table, not yet measured on a GPU: README.md): every row in one tile up to
+    64 rows (each weight read once), narrow column tiles so that a small N still spreads over the GPU, one
     head a tile when the epilogue quantizes keys (its scale is the head's). Through the interpreter, where
     each program costs the host, the widest tiles: a tile of q, k or v lies in one (``columns``)."""
     if gpu:
@@ -395,6 +395,107 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return _counters[device]
 
 
+def _check_linear_inputs(x, weight, bias, ln, embed, residual, kv) -> tuple:
+    """``fused_linear``'s arguments checked before any launch: (M, K, N, head_dim or None, C_kv or None).
+    Raises ValueError naming the argument. Not checked (it would read the device): that ids, positions and
+    slots lie inside their tables and pool, as the engine's do."""
+
+    def tensor(name, t, shape, dtype=None, contiguous=False):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.device != x.device:
+            got = f"{list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a tensor of shape {list(shape)} on {x.device}, got {got}")
+        if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+        if contiguous and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() != 2
+        or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+    ):
+        raise ValueError(f"x must be a 2-D float32/float16/bfloat16 tensor, got {getattr(x, 'shape', x)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [K, N], got {getattr(weight, 'shape', weight)}")
+    (K, N), dtype = weight.shape, x.dtype
+    if x.shape[1] != K or weight.dtype != dtype:
+        raise ValueError(
+            f"x [M, {K}] and weight [{K}, N] of one dtype expected, got {list(x.shape)} "
+            f"{x.dtype} and {list(weight.shape)} {weight.dtype}"
+        )
+    if x.device.type == "cpu" and dtype == torch.bfloat16:
+        raise ValueError(CPU_BF16_UNSUPPORTED)
+    if x.stride(1) != 1:
+        raise ValueError("x must be contiguous along its last dimension")
+    M = x.shape[0]
+    if embed is not None:
+        if not isinstance(embed, tuple) or len(embed) != 3:
+            raise ValueError("embed must be (ids [M], positions [M], wpe [P, K])")
+        ids, positions, wpe = embed
+        M = ids.shape[0] if isinstance(ids, torch.Tensor) else -1
+        tensor("embed's ids", ids, (M,), (torch.int32, torch.int64), contiguous=True)
+        tensor("embed's positions", positions, (M,), (torch.int32, torch.int64), contiguous=True)
+        if not isinstance(wpe, torch.Tensor) or wpe.dim() != 2:
+            raise ValueError("embed's wpe must be a 2-D tensor [P, K]")
+        tensor("embed's wpe", wpe, (wpe.shape[0], K), dtype)
+        if wpe.stride(1) != 1:
+            raise ValueError("embed's wpe must be contiguous along its last dimension")
+        if residual is None:
+            raise ValueError("embed needs residual: the [M, K] buffer the embedded rows are kept in")
+    if bias is not None:
+        tensor("bias", bias, (N,), dtype)
+    if ln is not None:
+        if not isinstance(ln, tuple) or len(ln) != 3 or not isinstance(ln[2], float):
+            raise ValueError("ln must be (weight [K], bias [K], eps: float)")
+        tensor("ln's weight", ln[0], (K,), dtype, contiguous=True)
+        tensor("ln's bias", ln[1], (K,), dtype, contiguous=True)
+    if residual is not None:
+        if kv is not None and embed is None:
+            raise ValueError("kv and residual cannot go together: the QKV product adds no residual")
+        tensor("residual", residual, (M, K if embed is not None else N), dtype)
+        if residual.stride(1) != 1:
+            raise ValueError("residual must be contiguous along its last dimension")
+        if embed is None and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            raise ValueError("residual must not share memory with x: the kernel writes it while reading x")
+    head_dim = C_kv = None
+    if kv is not None:
+        if not isinstance(kv, tuple) or len(kv) != 5:
+            raise ValueError("kv must be (k_cache, v_cache, k_scale, v_scale, slot_mapping)")
+        k_cache, v_cache, k_scale, v_scale, slots = kv
+        if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+            raise ValueError("kv: k_cache must be a pool [num_blocks, block_size, H, D]")
+        C_kv = k_cache.shape[2] * k_cache.shape[3]
+        if N != 3 * C_kv:
+            raise ValueError(f"kv: weight's N = {N} must be 3 x the pool's H * D = {C_kv}")
+        quantized = k_cache.dtype in QUANTIZED_DTYPES
+        if not quantized and k_cache.dtype != dtype:
+            raise ValueError(f"kv: a pool of {k_cache.dtype} for a model in {dtype}")
+        tensor("kv: k_cache", k_cache, k_cache.shape, k_cache.dtype, contiguous=True)
+        tensor("kv: v_cache", v_cache, k_cache.shape, k_cache.dtype, contiguous=True)
+        tensor("kv: slot_mapping", slots, (M,), (torch.int32, torch.int64), contiguous=True)
+        if quantized:
+            head_dim = k_cache.shape[3]
+            for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+                tensor(f"kv: {name}", scale, k_cache.shape[:3], torch.float16, contiguous=True)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError("kv: scales are for an 8-bit pool only")
+    return M, K, N, head_dim, C_kv
+
+
+def _check_tiles(tiles: dict) -> dict:
+    """The tile overrides of ``fused_linear``: known names, powers of two (block_m, block_n, block_k >= 16),
+    positive counts. Raises ValueError."""
+    known = {"block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k"}
+    if unknown := set(tiles) - known:
+        raise ValueError(f"unknown tile options {sorted(unknown)}: expected some of {sorted(known)}")
+    for name, value in tiles.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if name.startswith("block_") and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name}={value}: must be a power of two >= 16")
+    return tiles
+
+
 def fused_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -421,41 +522,19 @@ def fused_linear(
     slots, q [M, C] is returned. use_pdl: default ``pdl_supported``. tiles: block_m, block_n, block_k,
     num_warps, num_stages, split_k (K in that many slices, summed in a fixed order) override ``_config``.
     Returns [M, N] (or q). Raises ValueError on inconsistent shapes, dtypes or devices; RuntimeError on CPU
-    tensors without Triton's interpreter.
+    tensors without Triton's interpreter. Ids, positions and slots must lie inside their tables and pool (not
+    checked: that would read the device).
     """
-    K, N = weight.shape
-    M = embed[0].shape[0] if embed is not None else x.shape[0]
-    if x.dim() != 2 or x.shape[1] != K or weight.dtype != x.dtype:
-        raise ValueError(
-            f"x [M, {K}] and weight [{K}, N] of one dtype expected, got {list(x.shape)} "
-            f"{x.dtype} and {list(weight.shape)} {weight.dtype}"
-        )
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
-        raise ValueError("x and residual must be contiguous along their last dimension")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must be [{N}], got {list(bias.shape)}")
-    if residual is not None and residual.shape != (M, K if embed is not None else N):
-        raise ValueError(f"residual has shape {list(residual.shape)}, expected [{M}, {K if embed else N}]")
-    if embed is not None and residual is None:
-        raise ValueError("embed needs residual: the [M, K] buffer the embedded rows are kept in")
+    M, K, N, head_dim, C_kv = _check_linear_inputs(x, weight, bias, ln, embed, residual, kv)
     _check_usable(x.device)
     device, dtype = x.device, x.dtype
-    head_dim = C_kv = None
-    if kv is not None:
-        k_cache, v_cache, k_scale, v_scale, slots = kv
-        C_kv = k_cache.shape[2] * k_cache.shape[3]
-        if N != 3 * C_kv or not k_cache.is_contiguous() or v_cache.shape != k_cache.shape:
-            raise ValueError(f"kv: weight's N = {N} must be 3 x the pool's H * D = {C_kv} (contiguous pools)")
-        if slots.shape != (M,):
-            raise ValueError(f"kv: slot_mapping must be [{M}], got {list(slots.shape)}")
-        quantized = k_cache.dtype in QUANTIZED_DTYPES
-        if quantized:
-            head_dim = k_cache.shape[3]
-        elif k_cache.dtype != dtype:
-            raise ValueError(f"kv: a pool of {k_cache.dtype} for a model in {dtype}")
-    cfg = _config(M, N, K, head_dim, C_kv, device.type == "cuda") | tiles
+    cfg = _config(M, N, K, head_dim, C_kv, device.type == "cuda") | _check_tiles(tiles)
     if kv is not None and C_kv % cfg["block_n"]:
         raise ValueError(f"kv: block_n={cfg['block_n']} must divide H * D = {C_kv}")
+    if head_dim is not None and cfg["block_n"] != head_dim:
+        raise ValueError(
+            f"kv: an 8-bit pool's tile is one head: block_n={cfg['block_n']}, head_dim={head_dim}"
+        )
     out = torch.empty((M, C_kv if kv is not None else N), device=device, dtype=dtype)
     if residual is not None and embed is None:
         out = residual

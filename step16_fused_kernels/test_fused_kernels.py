@@ -119,18 +119,42 @@ def test_the_qkv_kernel_writes_the_pool_as_step15_does(operands, dtype, cache_dt
 
 
 def test_bad_inputs_are_refused_before_any_launch(operands):
+    """Shapes, dtypes, layouts, aliasing, the 8-bit pool's scales, the tile options: a ValueError each."""
     x, w, b = operands["x"], operands["w"], operands["b"]
     with pytest.raises(ValueError, match=r"x \[M, 48\] and weight \[48, N\]"):
         fused_linear(x[:, :40], w, b)
-    with pytest.raises(ValueError, match=r"bias must be \[40\]"):
+    with pytest.raises(ValueError, match=r"bias must be a tensor of shape \[40\]"):
         fused_linear(x, w, b[:7])
-    with pytest.raises(ValueError, match=r"residual has shape \[3, 7\]"):
+    with pytest.raises(
+        ValueError, match=r"residual must be a tensor of shape \[3, 40\] on cpu, got \[3, 7\]"
+    ):
         fused_linear(x, w, b, residual=torch.zeros(3, 7))
     with pytest.raises(ValueError, match="embed needs residual"):
         fused_linear(x, w, b, embed=(torch.tensor([0]), torch.tensor([0]), x))
     pool = [torch.zeros(2, 4, 2, 16) for _ in range(2)] + [None, None]
     with pytest.raises(ValueError, match=r"kv: weight's N = 40 must be 3 x the pool's H \* D = 32"):
         fused_linear(x, w, b, kv=(*pool, torch.tensor([0, 1, 2])))
+    with pytest.raises(ValueError, match="bfloat16 dot products wrongly"):  # the interpreter's bug
+        fused_linear(x.bfloat16(), w.bfloat16())
+    square = torch.randn(3, 48)
+    with pytest.raises(ValueError, match="residual must not share memory with x"):
+        fused_linear(square, torch.randn(48, 48), residual=square)
+    w96, slots = torch.randn(48, 96), torch.tensor([0, 1, 2])
+    strided = torch.zeros(2, 4, 16, 2).transpose(2, 3)  # [2, 4, 2, 16], not contiguous
+    with pytest.raises(ValueError, match="kv: v_cache must be contiguous"):
+        fused_linear(x, w96, kv=(pool[0], strided, None, None, slots))
+    with pytest.raises(ValueError, match="kv and residual cannot go together"):
+        fused_linear(x, w96, kv=(*pool, slots), residual=torch.zeros(3, 96))
+    int8 = [torch.zeros(2, 4, 2, 16, dtype=torch.int8) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"kv: k_scale must be a tensor of shape \[2, 4, 2\]"):
+        fused_linear(x, w96, kv=(*int8, None, None, slots))
+    for tiles, error in [
+        ({"split_k": 0}, "split_k=0: must be a positive integer"),
+        ({"block_n": 24}, "block_n=24: must be a power of two >= 16"),
+        ({"splitk": 4}, r"unknown tile options \['splitk'\]"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            fused_linear(x, w, b, **tiles)
 
 
 def test_which_shapes_run_fused():
