@@ -258,11 +258,13 @@ def outputs(llm, module, cases=CASES) -> list:
     ids=["defaults", "int8", "two-ranks"],
 )
 def test_the_engine_gives_step15s_outputs(head16_snapshot, extra, monkeypatch):
-    """Greedy, seeded, stop strings, n (forks sharing blocks), logprobs; with an 8-bit pool greedy and n;
-    over two ranks greedy. Step 15's oracle runs its torch backend (the interpreter's attention is the slow
-    part of these tests); the decode steps here run fused (counted), prefills and mixed steps do not."""
+    """Greedy, seeded, stop strings, n (forks sharing blocks), logprobs; with an 8-bit pool greedy and n,
+    short; over two ranks greedy, short. Step 15's oracle runs its torch backend (the interpreter's attention
+    is the slow part of these tests); the decode steps here run fused (counted), prefills and mixed steps
+    do not."""
     args = dict(model=str(head16_snapshot), block_size=4, max_num_seqs=8, **extra)
-    cases = CASES if not extra else [CASES[0], CASES[3]] if "kv_cache_dtype" in extra else CASES[:1]
+    short = [(PROMPTS[0], dict(max_tokens=6, temperature=0)), (PROMPTS[3], dict(n=2, max_tokens=4, seed=3))]
+    cases = CASES if not extra else short if "kv_cache_dtype" in extra else short[:1]
     expected = outputs(step15_tensor_parallel.LLM(**args), step15_tensor_parallel, cases)
     fused_sizes = []
     forward_fused = GPT.forward_fused
