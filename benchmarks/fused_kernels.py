@@ -32,12 +32,12 @@ BLOCK_SIZE = 16
 TOKEN_ID_SEED = 16000
 REPLAYS = 50  # decode-graph replays timed per engine and batch
 # where step 15 runs compiled too (a compilation takes about half a minute): the batches step 16 fuses
-COMPILED = {("model", b) for b in (1, 16, 64)}
+COMPILED_BATCHES = (1, 16, 64)
 ENGINES = {
     "step15": "step15_tensor_parallel.LLMEngine, its defaults (CUDA graphs, async scheduling)",
     "step15_compiled": "the same, its model compiled by torch.compile (Inductor, default mode) before its "
     "decode graph of B lanes is captured: the compiled kernels replayed in the same graph; other steps "
-    "eager; at B = 1, 16, 64 on the model (COMPILED)",
+    "eager; at B = 1, 16, 64 on the model (COMPILED_BATCHES)",
     "step16": "step16_fused_kernels.LLMEngine, its defaults (fused decode steps up to MAX_BATCH lanes)",
     "step16_no_pdl": "the same, its graphs captured with plain launches (fused_kernels.PDL off)",
 }
@@ -202,7 +202,8 @@ def bench_model(name: str, device: str, dtype: str, runs: int, sizes: dict, resu
         for model_name, model_folder in (("host", demo), ("model", folder)):
             vocab = load_config(model_folder).vocab_size
             built = {}
-            for engine_name in [n for n in names if n != "step15_compiled" or (model_name, b) in COMPILED]:
+            compiled = model_name == "model" and b in COMPILED_BATCHES
+            for engine_name in [n for n in names if n != "step15_compiled" or compiled]:
                 try:
                     built[engine_name] = build(engine_name, model_folder, device, dtype, b, p + g)
                 except Exception as error:  # torch.compile on this code, this machine: say why, go on

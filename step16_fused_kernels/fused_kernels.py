@@ -150,7 +150,8 @@ def _fused_linear_kernel(
     USE_PDL: tl.constexpr,
 ):
     """out[rows, cols] = epilogue(prologue(x[rows]) @ W[:, cols]) for one tile of BLOCK_M rows and BLOCK_N
-    output columns; grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). W is [K, N] (any strides), x [M, K].
+    output columns and one slice of K; grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K). W is [K, N] (any
+    strides), x [M, K].
 
     Prologue: LN normalises each row over K (mean, then the variance of the centred values: two passes over
     the row, fp32, as torch's LayerNorm), times ln_w plus ln_b, rounded to the model's dtype; EMBED reads the
@@ -535,9 +536,10 @@ def fused_linear(
         raise ValueError(
             f"kv: an 8-bit pool's tile is one head: block_n={cfg['block_n']}, head_dim={head_dim}"
         )
-    out = torch.empty((M, C_kv if kv is not None else N), device=device, dtype=dtype)
     if residual is not None and embed is None:
-        out = residual
+        out = residual  # added to in place
+    else:
+        out = torch.empty((M, C_kv if kv is not None else N), device=device, dtype=dtype)
     if M == 0:
         return out
     use_pdl = pdl_supported(device) if use_pdl is None else use_pdl

@@ -269,12 +269,14 @@ class GPT(nn.Module):
         and residual, and the embeddings and the LM head are step 15's. Returns [S, V]."""
         N, t, C = input_ids.shape[0], self.tp.world_size, self.config.n_embd
         eps = self.config.layer_norm_epsilon
-        x = torch.empty(N, C, device=input_ids.device, dtype=self.wpe.weight.dtype)  # the residual stream
-        embed = (input_ids, positions, self.wpe.weight) if t == 1 else None  # into layer 0's prologue
-        if t > 1:
+        embedded = t == 1  # the embeddings in layer 0's first kernel, which writes them into x
+        if embedded:
+            x = torch.empty(N, C, device=input_ids.device, dtype=self.wpe.weight.dtype)  # the residual stream
+        else:
             x = self.wte(input_ids) + self.wpe(positions)  # [N, C]
         for layer, block in enumerate(self.h):
             attn, mlp = block.attn, block.mlp
+            embed = (input_ids, positions, self.wpe.weight) if embedded and layer == 0 else None
             pool = kv_cache.k[layer], kv_cache.v[layer], kv_cache.k_scale[layer], kv_cache.v_scale[layer]
             q = fused_kernels.fused_linear(  # [N, C / t]; k, v into the pool
                 self.wte.weight if embed else x,
@@ -285,7 +287,6 @@ class GPT(nn.Module):
                 residual=x if embed else None,
                 kv=(*pool, meta.slot_mapping),
             )
-            embed = None
             y = kernels.paged_attention(
                 q.view(N, attn.n_head, attn.head_dim),
                 kv_cache.k[layer],

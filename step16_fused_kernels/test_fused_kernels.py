@@ -252,12 +252,25 @@ def outputs(llm, module, cases=CASES) -> list:
     ]
 
 
+@pytest.fixture
+def fused_sizes(monkeypatch) -> list[int]:
+    """The batch of every fused pass that runs in this process (rank 0's), in order."""
+    sizes, forward_fused = [], GPT.forward_fused
+
+    def counted(self, input_ids, *rest):
+        sizes.append(input_ids.shape[0])
+        return forward_fused(self, input_ids, *rest)
+
+    monkeypatch.setattr(GPT, "forward_fused", counted)
+    return sizes
+
+
 @pytest.mark.parametrize(
     "extra",
     [{}, {"kv_cache_dtype": "int8"}, {"tensor_parallel_size": 2}],
     ids=["defaults", "int8", "two-ranks"],
 )
-def test_the_engine_gives_step15s_outputs(head16_snapshot, extra, monkeypatch):
+def test_the_engine_gives_step15s_outputs(head16_snapshot, extra, fused_sizes):
     """Greedy, seeded, stop strings, n (forks sharing blocks), logprobs; with an 8-bit pool greedy and n,
     short; over two ranks greedy, short. Step 15's oracle runs its torch backend (the interpreter's attention
     is the slow part of these tests); the decode steps here run fused (counted), prefills and mixed steps
@@ -266,14 +279,6 @@ def test_the_engine_gives_step15s_outputs(head16_snapshot, extra, monkeypatch):
     short = [(PROMPTS[0], dict(max_tokens=6, temperature=0)), (PROMPTS[3], dict(n=2, max_tokens=4, seed=3))]
     cases = CASES if not extra else short if "kv_cache_dtype" in extra else short[:1]
     expected = outputs(step15_tensor_parallel.LLM(**args), step15_tensor_parallel, cases)
-    fused_sizes = []
-    forward_fused = GPT.forward_fused
-
-    def counted(self, input_ids, *rest):
-        fused_sizes.append(input_ids.shape[0])
-        return forward_fused(self, input_ids, *rest)
-
-    monkeypatch.setattr(GPT, "forward_fused", counted)
     llm = LLM(attention_backend="triton", fused_kernels=True, **args)
     try:
         assert outputs(llm, sys.modules[__package__], cases) == expected
@@ -283,18 +288,10 @@ def test_the_engine_gives_step15s_outputs(head16_snapshot, extra, monkeypatch):
         assert fused_sizes and set(fused_sizes) <= {1, 2, 4, 8}  # padded decode batches only
 
 
-def test_decode_steps_above_max_batch_run_step15s_path(tiny_snapshot, monkeypatch):
+def test_decode_steps_above_max_batch_run_step15s_path(tiny_snapshot, monkeypatch, fused_sizes):
     """MAX_BATCH 2: the decode steps of four sequences (a rung of 4) run unfused, those of two fused; the
     ids are step 15's either way."""
     monkeypatch.setattr(fused_kernels, "MAX_BATCH", 2)
-    sizes = []
-    forward_fused = GPT.forward_fused
-
-    def counted(self, input_ids, *rest):
-        sizes.append(input_ids.shape[0])
-        return forward_fused(self, input_ids, *rest)
-
-    monkeypatch.setattr(GPT, "forward_fused", counted)
     args = dict(model=str(tiny_snapshot), max_num_seqs=4)
     prompts, lengths = [f"{p} and" for p in PROMPTS], [8, 8, 2, 2]  # four decodes a step, then two
     params = [dict(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
@@ -303,7 +300,7 @@ def test_decode_steps_above_max_batch_run_step15s_path(tiny_snapshot, monkeypatc
     llm = LLM(attention_backend="triton", fused_kernels=True, **args)
     ours = llm.generate(prompts, [SamplingParams(**p) for p in params])
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in expected]
-    assert sizes and set(sizes) <= {1, 2}  # the batches of 4 ran unfused
+    assert fused_sizes and set(fused_sizes) <= {1, 2}  # the batches of 4 ran unfused
 
 
 def test_the_argument(tiny_snapshot):
