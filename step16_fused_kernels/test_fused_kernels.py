@@ -5,8 +5,8 @@ model's dtype and in 8 bits) against ``fused_linear_reference`` through Triton's
 1e-4, fp16 within 1e-2, 8-bit pools bit for bit); a decode step's logits and pool through ``forward_fused``
 against step 15's pass; then the engine: every output of ``LLM`` equals step 15's (greedy, seeded, stop
 strings, n, logprobs, an 8-bit pool, two ranks), decode steps above ``MAX_BATCH`` and every
-other step run step 15's path, and the argument's checks. On a GPU: real sizes, and 64 prompts' greedy ids
-in fp32 equal to step 15's.
+other step run step 15's path, and the argument's checks. On a GPU: real sizes; 64 prompts' greedy ids
+in fp32 equal to step 15's; fp16 logits no further from fp32 than step 15's; PDL in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -179,50 +179,55 @@ def head16_snapshot(tmp_path_factory):
     )
 
 
+BS = 4  # the decode step's block size
+SLOTS = [1 * BS + 0, 2 * BS + 0, 5 * BS + 0]  # each new token's: position len - 1
+
+
+def decode_step(model: GPT, kv_cache_dtype: str, fused: bool, device: str = "cpu") -> tuple:
+    """Three sequences (lengths 5, 1 and 9, the new token last) in a pool whose earlier slots hold keys: one
+    decode step through ``model`` (its device and dtype), fused or step 15's pass -> (logits [3, V], pool,
+    the step as a function of no arguments, for a CUDA graph)."""
+    config, dtype = model.config, next(model.parameters()).dtype
+    cache = PagedKVCache(config, 8, BS, device, dtype, kv_cache_dtype, "triton")
+    g = torch.Generator().manual_seed(2)
+    for layer in range(config.n_layer):  # earlier tokens' keys and values, through the pool's write
+        k, v = (torch.randn(32, config.n_head, config.head_dim, generator=g).to(device, dtype) for _ in "kv")
+        cache.write(layer, k, v, torch.arange(32, device=device))
+    t = dict(device=device)
+    seq_lens, slots = torch.tensor([5, 1, 9], **t), torch.tensor(SLOTS, **t)
+    ids, positions = torch.tensor([11, 22, 33], **t), seq_lens - 1
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=[0, 1, 2, 3],
+        query_start_loc_t=torch.arange(4, **t),
+        logits_indices=torch.arange(3, **t),
+        num_prefills=0,
+        seq_lens=seq_lens,
+        block_tables=torch.tensor([[0, 1, 0], [2, 0, 0], [3, 4, 5]], **t),
+        max_query_len=1,
+        attention_backend="triton",
+        decode_mask=None,
+        fused=fused,
+    )
+
+    def step():
+        with torch.inference_mode():
+            return model(ids, positions, cache, meta)
+
+    return step(), cache, step
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_a_decode_step_gives_step15s_logits_and_pool(head16_snapshot, kv_cache_dtype):
-    """Three sequences (lengths 5, 1 and 9, the new token last) in a pool whose earlier slots hold keys:
-    the logits [3, V] within 1e-4 and the pool's new slots as step 15's pass writes them."""
+    """The logits [3, V] within 1e-4 and the pool's new slots as step 15's pass writes them."""
     model = GPT.from_pretrained(str(head16_snapshot))
-    config, bs = model.config, 4
-    torch.manual_seed(0)
-
-    def pool():
-        cache = PagedKVCache(config, 8, bs, "cpu", torch.float32, kv_cache_dtype, "triton")
-        g = torch.Generator().manual_seed(2)
-        for layer in range(config.n_layer):  # earlier tokens' keys and values, through the pool's write
-            k, v = (torch.randn(32, config.n_head, config.head_dim, generator=g) for _ in range(2))
-            cache.write(layer, k, v, torch.arange(32))
-        return cache
-
-    block_tables = torch.tensor([[0, 1, 0], [2, 0, 0], [3, 4, 5]])
-    seq_lens = torch.tensor([5, 1, 9])
-    slots = torch.tensor([1 * bs + 0, 2 * bs + 0, 5 * bs + 0])  # each new token's: position len - 1
-    ids, positions = torch.tensor([11, 22, 33]), seq_lens - 1
-    results = []
-    for fused in (False, True):
-        cache = pool()
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=[0, 1, 2, 3],
-            query_start_loc_t=torch.arange(4),
-            logits_indices=torch.arange(3),
-            num_prefills=0,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            max_query_len=1,
-            attention_backend="triton",
-            decode_mask=None,
-            fused=fused,
-        )
-        with torch.inference_mode():
-            results.append((model(ids, positions, cache, meta), cache))
-    (logits, cache), (fused_logits, fused_cache) = results
-    assert fused_logits.shape == (3, config.vocab_size)
+    logits, cache, _ = decode_step(model, kv_cache_dtype, fused=False)
+    fused_logits, fused_cache, _ = decode_step(model, kv_cache_dtype, fused=True)
+    assert fused_logits.shape == (3, model.config.vocab_size)
     assert (fused_logits - logits).abs().max() < 1e-4
-    for layer in range(config.n_layer):
+    for layer in range(model.config.n_layer):
         for a, b in [(cache.k[layer], fused_cache.k[layer]), (cache.v[layer], fused_cache.v[layer])]:
-            a, b = a.flatten(0, 1)[slots].float(), b.flatten(0, 1)[slots].float()
+            a, b = a.flatten(0, 1)[SLOTS].float(), b.flatten(0, 1)[SLOTS].float()
             assert (a - b).abs().max() <= (1.0 if kv_cache_dtype == "int8" else 1e-5)  # int8: an ulp at most
 
 
@@ -376,3 +381,42 @@ def test_gpu_greedy_ids_equal_step15s_in_fp32(demo_snapshot):
     assert llm.engine.args.fused_kernels
     ours = llm.generate(prompts, [SamplingParams(**p) for p in params])
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in expected]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp16_logits_stray_from_fp32_no_more_than_step15s(demo_snapshot):
+    """The decode step in fp16, fused and step 15's, against step 15's pass in fp32: the fused logits' mean
+    and largest distance from fp32 no larger than step 15's fp16 pass's (a tenth of slack: rounding)."""
+    model = GPT.from_pretrained(str(demo_snapshot)).to("cuda")
+    reference = decode_step(model, "auto", fused=False, device="cuda")[0].float()
+    model = model.half()
+    distance = {}
+    for fused in (False, True):
+        delta = (decode_step(model, "auto", fused=fused, device="cuda")[0].float() - reference).abs()
+        distance[fused] = (delta.mean().item(), delta.max().item())
+    assert 0 < distance[True][0] <= 1.1 * distance[False][0], distance
+    assert distance[True][1] <= 1.1 * distance[False][1], distance
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="PDL: sm_90 on"
+)
+def test_gpu_pdl_launches_in_a_cuda_graph_give_the_same_bits(demo_snapshot, monkeypatch):
+    """The fused step with programmatic dependent launch, eager and captured in a CUDA graph, replayed: the
+    same logits, bit for bit, as plain launches (PDL changes when a kernel starts, not what it computes)."""
+    model = GPT.from_pretrained(str(demo_snapshot)).to("cuda").half()
+    plain = decode_step(model, "auto", fused=True, device="cuda")[0]
+    monkeypatch.setattr(fused_kernels, "PDL", True)
+    assert fused_kernels.pdl_supported(torch.device("cuda"))
+    logits, _, step = decode_step(model, "auto", fused=True, device="cuda")
+    assert torch.equal(logits, plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, plain)
