@@ -290,7 +290,10 @@ class Tokenizer:
         An id that the tokenizer does not name (a model's embedding can be padded past its vocabulary)
         has no bytes, as in Hugging Face's ``decode``.
         """
-        return b"".join(map(self._id_to_bytes.get, token_ids, itertools.repeat(b"")))
+        try:  # tiktoken's table, in one native call
+            return self.encoding.decode_bytes(token_ids)
+        except (KeyError, OverflowError, TypeError):  # an id it lacks (added, padding), not an int, < 0
+            return b"".join(map(self._id_to_bytes.get, token_ids, itertools.repeat(b"")))
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``; bytes that are not valid UTF-8 become U+FFFD."""

@@ -271,6 +271,7 @@ def test_ids_the_tokenizer_lacks_decode_to_nothing(demo_tokenizers):
     assert ours.decode(ids) == hf.decode(ids) == "Hel<|endoftext|>lo"
     assert ours.decode([8196]) == hf.decode([8196]) == ""
     assert ours.decode_bytes([8196, 8255]) == b""
+    assert ours.decode_bytes([39, -1, 2**70, 526]) == ours.decode_bytes([39, 526])  # past a C long: none
     detok = IncrementalDetokenizer(ours)
     assert [detok.push(i) for i in ids] + [detok.flush()] == [
         "H",
