@@ -174,6 +174,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="engine_core only: step 10's frontend alone and its server under cProfile at 64 streams, "
         "instead of the sweep",
     )
+    parser.add_argument(
+        "--tiles",
+        action="store_true",
+        help="fused_kernels only: sweep fused_linear's tile options at GPT-2 124M's products (1, 16 and 64 "
+        "rows) instead of the engines",
+    )
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -184,7 +190,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_device(args.device)
         except ValueError as e:
             parser.error(f"--{e}")
-    only = (("--dtype", "dtypes"), ("--workload", "workloads"), ("--profile-frontend", "profile_frontend"))
+    only = (
+        ("--dtype", "dtypes"),
+        ("--workload", "workloads"),
+        ("--profile-frontend", "profile_frontend"),
+        ("--tiles", "tiles"),
+    )
     for flag, dest in only:
         if getattr(args, dest) and args.replot:
             parser.error(f"{flag} measures: it does not go with --replot")
@@ -205,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.replot:
             harness.replot(module.NAME, args.device, module.plot, module.report, quick=args.quick)
             return 0
-        extra = {k: getattr(args, k) for k in ("dtypes", "workloads", "profile_frontend") if getattr(args, k)}
+        options = ("dtypes", "workloads", "profile_frontend", "tiles")
+        extra = {k: getattr(args, k) for k in options if getattr(args, k)}
         module.main(models=args.models, device=args.device, runs=runs, quick=args.quick, **extra)
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ engine's steps on the demo checkpoint (7M parameters: little GPU work a kernel).
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import time
@@ -50,10 +51,20 @@ TARGETS = {
 }
 
 
-def main(models: list[str] | None = None, device: str = "cpu", runs: int = DEFAULT_RUNS, quick: bool = False):
-    """The CLI entry (``python -m benchmarks fused_kernels``)."""
+def main(
+    models: list[str] | None = None,
+    device: str = "cpu",
+    runs: int = DEFAULT_RUNS,
+    quick: bool = False,
+    tiles: bool = False,
+):
+    """The CLI entry (``python -m benchmarks fused_kernels``; ``--tiles``: ``sweep_tiles`` instead)."""
     started = time.perf_counter()
     cuda = device.startswith("cuda")
+    if tiles:
+        if not cuda:
+            raise ValueError("--tiles times kernels on a GPU: run it with --device cuda")
+        return sweep_tiles(device, started)
     if not cuda and not quick:
         raise ValueError(
             "fused_kernels measures CUDA graphs and kernels: run it with --device cuda (or --quick)"
@@ -366,6 +377,130 @@ def report(result: dict) -> str:
                     )
                 )
     return "\n".join(lines)
+
+
+# --tiles: fused_linear's tile options, one at a time from the table's (two passes), at GPT-2 124M's products
+TILE_SPACE = {
+    "block_n": [16, 32, 64, 128],
+    "block_k": [64, 128, 256],
+    "num_warps": [2, 4, 8],
+    "num_stages": [1, 2, 3],
+    "split_k": [1, 2, 4, 8],
+}
+TILE_ROWS = [1, 16, 64]
+
+
+def sweep_tiles(device: str, started: float) -> dict:
+    """Each product of a fused GPT-2 124M layer (fp16) at 1, 16 and 64 rows: its time in a CUDA graph
+    (``triton.testing.do_bench_cudagraph``) with ``_config``'s tiles, then with the best found by changing
+    one option of ``TILE_SPACE`` at a time (two passes). Writes ``fused_kernels_tiles-<device>.json``."""
+    from step16_fused_kernels.fused_kernels import _config, fused_linear
+
+    C, V, dtype = 768, 50257, torch.float16
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=g)  # noqa: E731
+    ln = (rand(C), rand(C), 1e-5)
+    pool = [torch.zeros(4096, BLOCK_SIZE, 12, 64, device=device, dtype=dtype) for _ in "kv"]
+    slots = lambda M: torch.arange(M, device=device) * 7  # noqa: E731
+    products = {  # name: K, N, the flavour's arguments for M rows
+        "qkv (ln_1, bias, KV write)": (C, 3 * C, lambda M: dict(ln=ln, kv=(*pool, None, None, slots(M)))),
+        "attn c_proj (bias, residual)": (C, C, lambda M: dict(residual=rand(M, C))),
+        "c_fc (ln_2, bias, GELU)": (C, 4 * C, lambda M: dict(ln=ln, gelu=True)),
+        "mlp c_proj (bias, residual)": (4 * C, C, lambda M: dict(residual=rand(M, C))),
+        "lm_head (ln_f)": (C, V, lambda M: dict(ln=ln)),
+    }
+    result = {
+        "benchmark": "fused_kernels_tiles",
+        "machine": harness.machine_info(device, "float16"),
+        "workload": {
+            "products": list(products),
+            "rows": TILE_ROWS,
+            "space": TILE_SPACE,
+            "timing": "triton.testing.do_bench_cudagraph (rep 30 ms): one launch in a CUDA graph, replayed",
+            "search": "from _config's tiles, each option in turn set to its best value, two passes",
+            "quick": False,
+        },
+        "points": {},
+    }
+    for M in TILE_ROWS:
+        for name, (K, N, flavour) in products.items():
+            x = rand(M, K)
+            w = (rand(N, K) * K**-0.5).t()  # [K, N]; the LM head is wte.t(), the others contiguous
+            w = w if N == V else w.contiguous()
+            bias = None if N == V else rand(N)
+            launch, times = functools.partial(fused_linear, x, w, bias, **flavour(M)), {}
+            time_us = functools.partial(launch_us, launch, times)
+            default = _config(M, N, K, None, C if "kv" in launch.keywords else None, True)
+            best = dict(default)
+            for _ in range(2):
+                for option, values in TILE_SPACE.items():
+                    best = min((dict(best, **{option: v}) for v in values), key=time_us)
+            point = {
+                "rows": M,
+                "default": default,
+                "default_us": time_us(default),
+                "best": best,
+                "best_us": time_us(best),
+                "weight_bytes": K * N * 2,
+                "configs_timed": len(times),
+            }
+            point["best_gb_per_s"] = point["weight_bytes"] / point["best_us"] / 1e3
+            result["points"][f"{name}, M={M}"] = point
+            print(
+                f"  {name}, M={M}: {point['default_us']:.1f} -> {point['best_us']:.1f} us {best}", flush=True
+            )
+    return harness.finish("fused_kernels_tiles", device, result, started, plot_tiles, report_tiles)
+
+
+def launch_us(launch, times: dict, cfg: dict) -> float:
+    """Microseconds of ``launch(**cfg)`` replayed in a CUDA graph (remembered in ``times``); inf for tiles
+    the product cannot take."""
+    from triton.runtime.errors import OutOfResources
+    from triton.testing import do_bench_cudagraph
+
+    key = tuple(sorted(cfg.items()))
+    if key not in times:
+        try:
+            launch(**cfg)  # compiled (and split-K's counters allocated) before the capture
+            times[key] = 1e3 * do_bench_cudagraph(lambda: launch(**cfg), rep=30)
+        except (ValueError, RuntimeError, OutOfResources):
+            times[key] = float("inf")
+    return times[key]
+
+
+def report_tiles(result: dict) -> str:
+    rows = [
+        [
+            key,
+            p["default_us"],
+            p["best_us"],
+            p["best_gb_per_s"],
+            " ".join(f"{k}={v}" for k, v in p["best"].items()),
+        ]
+        for key, p in result["points"].items()
+    ]
+    return harness.table(["product, rows", "table's us", "best us", "best GB/s", "best tiles"], rows)
+
+
+def plot_tiles(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result["points"]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    y = range(len(points))
+    ax.barh([i + 0.2 for i in y], [p["default_us"] for p in points.values()], 0.4, label="the table's tiles")
+    ax.barh([i - 0.2 for i in y], [p["best_us"] for p in points.values()], 0.4, label="the best found")
+    ax.set_yticks(list(y), list(points), fontsize=7)
+    ax.set_xlabel("us per launch (in a CUDA graph)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="x")
+    gpu = result["machine"].get("gpu") or result["machine"].get("cpu")
+    ax.set_title(f"fused_linear's tiles at GPT-2 124M's products, fp16 ({gpu})", fontsize=10)
+    fig.tight_layout()
+    return harness.save_figure(fig, path)
 
 
 def plot(result: dict, path: Path) -> Path:

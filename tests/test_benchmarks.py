@@ -838,8 +838,11 @@ def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
     assert parse_args(["gpu", "--dtype", "float32", "--dtype", "bfloat16"]).dtypes == ["float32", "bfloat16"]
     assert parse_args(["gpu", "--workload", "short"]).workloads == ["short"]
     assert parse_args(["engine_core", "--profile-frontend"]).profile_frontend
+    assert parse_args(["fused_kernels", "--tiles"]).tiles
     bad = [
         ["gpu", "--profile-frontend"],
+        ["ladder", "--tiles"],
+        ["fused_kernels", "--tiles", "--replot"],
         ["engine_core", "--profile-frontend", "--replot"],
         ["kvcache", "--dtype", "float16"],
         ["gpu", "--dtype", "float64"],
@@ -851,6 +854,9 @@ def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
     ]
     if not torch.cuda.is_available():
         bad.append(["gpu", "--device", "cuda"])  # a clear error before anything runs, not a traceback
+        from benchmarks.__main__ import main
+
+        assert main(["fused_kernels", "--tiles"]) == 2  # the sweep times kernels on a GPU: said, exit 2
     for argv in bad:
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
