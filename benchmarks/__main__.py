@@ -183,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.tiles and (args.quick or args.models or args.runs is not None):
+        parser.error("--tiles sweeps one fixed set of shapes: it takes no --quick, --model or --runs")
     if not args.replot:  # the device must exist before anything is measured (imported now: --help stays fast)
         from step1_generate.config import check_device  # every engine checks its device so
 

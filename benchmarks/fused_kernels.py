@@ -444,6 +444,8 @@ def sweep_tiles(device: str, started: float) -> dict:
                 "weight_bytes": K * N * 2,
                 "configs_timed": len(times),
             }
+            if point["best_us"] == float("inf"):  # no tile ran: said, and the JSON stays strict
+                raise RuntimeError(f"--tiles: no tile option could run {name} at {M} rows")
             point["best_gb_per_s"] = point["weight_bytes"] / point["best_us"] / 1e3
             result["points"][f"{name}, M={M}"] = point
             print(
@@ -455,6 +457,7 @@ def sweep_tiles(device: str, started: float) -> dict:
 def launch_us(launch, times: dict, cfg: dict) -> float:
     """Microseconds of ``launch(**cfg)`` replayed in a CUDA graph (remembered in ``times``); inf for tiles
     the product cannot take."""
+    from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench_cudagraph
 
@@ -463,7 +466,7 @@ def launch_us(launch, times: dict, cfg: dict) -> float:
         try:
             launch(**cfg)  # compiled (and split-K's counters allocated) before the capture
             times[key] = 1e3 * do_bench_cudagraph(lambda: launch(**cfg), rep=30)
-        except (ValueError, RuntimeError, OutOfResources):
+        except (ValueError, RuntimeError, OutOfResources, CompilationError):
             times[key] = float("inf")
     return times[key]
 

@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = app.state.server.engine
     grace = args.timeout_graceful_shutdown
     # uvicorn's own timeout is only a safety net: the streams are ended after the grace period
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 5)
+    # h11 parses HTTP even where httptools is installed: it bounds a request's head (httptools buffers a
+    # header of any size) and answers HTTP/1.0 clients without chunked framing
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 5, http="h11")
     server = Server(config, engine, grace)
     try:
         server.run(sockets=[sock])

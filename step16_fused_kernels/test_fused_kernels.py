@@ -409,14 +409,16 @@ def test_gpu_pdl_launches_in_a_cuda_graph_give_the_same_bits(demo_snapshot, monk
     model = GPT.from_pretrained(str(demo_snapshot)).to("cuda").half()
     plain = decode_step(model, "auto", fused=True, device="cuda")[0]
     monkeypatch.setattr(fused_kernels, "PDL", True)
-    assert fused_kernels.pdl_supported(torch.device("cuda"))
+    if not fused_kernels.pdl_supported(torch.device("cuda")):
+        pytest.skip("this Triton has no programmatic dependent launch (gdc_wait)")
     logits, _, step = decode_step(model, "auto", fused=True, device="cuda")
     assert torch.equal(logits, plain)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
     for _ in range(3):
-        captured.zero_()
+        with torch.inference_mode():  # the step ran in inference mode: its output is an inference tensor
+            captured.fill_(float("nan"))  # a replay that wrote nothing would not equal the plain logits
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, plain)

@@ -843,6 +843,7 @@ def test_dtype_option_is_for_the_gpu_benchmark_only_and_the_device_must_exist():
         ["gpu", "--profile-frontend"],
         ["ladder", "--tiles"],
         ["fused_kernels", "--tiles", "--replot"],
+        ["fused_kernels", "--tiles", "--quick"],
         ["engine_core", "--profile-frontend", "--replot"],
         ["kvcache", "--dtype", "float16"],
         ["gpu", "--dtype", "float64"],
