@@ -112,6 +112,14 @@ BENCHMARKS = {
     ),
 }
 
+# the options only some benchmarks take (flag, the argument of their ``main``), passed on when given
+ONLY = (
+    ("--dtype", "dtypes"),
+    ("--workload", "workloads"),
+    ("--profile-frontend", "profile_frontend"),
+    ("--tiles", "tiles"),
+)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     listing = "\n".join(
@@ -192,13 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_device(args.device)
         except ValueError as e:
             parser.error(f"--{e}")
-    only = (
-        ("--dtype", "dtypes"),
-        ("--workload", "workloads"),
-        ("--profile-frontend", "profile_frontend"),
-        ("--tiles", "tiles"),
-    )
-    for flag, dest in only:
+    for flag, dest in ONLY:
         if getattr(args, dest) and args.replot:
             parser.error(f"{flag} measures: it does not go with --replot")
         if (
@@ -218,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.replot:
             harness.replot(module.NAME, args.device, module.plot, module.report, quick=args.quick)
             return 0
-        options = ("dtypes", "workloads", "profile_frontend", "tiles")
-        extra = {k: getattr(args, k) for k in options if getattr(args, k)}
+        extra = {dest: getattr(args, dest) for _, dest in ONLY if getattr(args, dest)}
         module.main(models=args.models, device=args.device, runs=runs, quick=args.quick, **extra)
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
